@@ -1,0 +1,27 @@
+"""Typed errors: each carries what a user needs to fix the problem (key path, shape, dtype)."""
+
+from __future__ import annotations
+
+
+class KVTierError(Exception):
+    """Base class of every error kvtier raises on purpose."""
+
+
+class KVTierConfigError(KVTierError, ValueError):
+    """A configuration is invalid; the message starts with the key path of the bad value."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class LayoutMismatch(KVTierError, ValueError):
+    """A tensor or a stored block does not have the layout (shape, dtype, strides) kvtier expects."""
+
+
+class TierUnavailable(KVTierError, RuntimeError):
+    """A tier cannot serve right now (server down, circuit open, CUDA missing)."""
+
+
+class CorruptBlock(KVTierError):
+    """A stored block failed validation (checksum, header, key or layout); it is treated as a miss."""

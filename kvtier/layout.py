@@ -1,0 +1,172 @@
+"""Physical layout of one offloaded KV block, and of the engine-side tensors it is packed from.
+
+The unit that moves between tiers is a *cross-layer block*: the K and V of every layer of a group
+for ``block_size`` tokens, in one contiguous region of logical shape
+``[num_layers, kv_factor, block_size, num_kv_heads, head_dim]`` (``kv_factor`` is 2, or 1 for MLA).
+The layout travels (as a fingerprint) in every stored block's header, so a reader never interprets
+bytes written under another layout. This module only describes layouts; moving bytes between them
+is the job of :mod:`kvtier.kernels`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal
+
+import torch
+import xxhash
+
+from kvtier.errors import LayoutMismatch
+
+#: Names of the logical dimensions of a cross-layer block, outermost first.
+LOGICAL_DIMS = ("layer", "kv", "token", "head", "dim")
+
+TokenLayout = Literal["NHD", "HND"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Turn ``"float16"``/``"fp16"``/``torch.float16`` into a torch dtype kvtier can store."""
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPES.values():
+            raise LayoutMismatch(f"dtype {name} is not supported; use one of {sorted(_DTYPES)}")
+        return name
+    aliases = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
+               "float": "float32", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+               "fp8_e5m2": "float8_e5m2"}
+    key = aliases.get(name, name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise LayoutMismatch(f"dtype {name!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Explicit physical layout of one cross-layer block.
+
+    ``token_layout`` fixes the order of the token and head dimensions inside a block (``NHD``:
+    token-major, as FlashAttention; ``HND``: head-major, as FlashInfer's HND mode). The block is
+    always contiguous in the order given by :attr:`stride_order`.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype = torch.float16
+    kv_factor: int = 2
+    token_layout: TokenLayout = "NHD"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise LayoutMismatch(f"BlockLayout.{name} must be a positive int, got {value!r}")
+        if self.kv_factor not in (1, 2):
+            raise LayoutMismatch(f"BlockLayout.kv_factor must be 2 (K and V) or 1 (MLA), got {self.kv_factor!r}")
+        if self.token_layout not in ("NHD", "HND"):
+            raise LayoutMismatch(f"BlockLayout.token_layout must be 'NHD' or 'HND', got {self.token_layout!r}")
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+
+    @property
+    def logical_shape(self) -> tuple[int, int, int, int, int]:
+        """``(num_layers, kv_factor, block_size, num_kv_heads, head_dim)``, whatever the storage order."""
+        return (self.num_layers, self.kv_factor, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def stride_order(self) -> tuple[int, int, int, int, int]:
+        """Logical dimensions in physical order, outermost first."""
+        return (0, 1, 2, 3, 4) if self.token_layout == "NHD" else (0, 1, 3, 2, 4)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Physical (contiguous) shape of one block."""
+        logical = self.logical_shape
+        return tuple(logical[i] for i in self.stride_order)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.logical_shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one block: the size of every slot, file payload and Redis value (before codec)."""
+        return self.numel * self.itemsize
+
+    def describe(self) -> str:
+        return (f"cross_layer[L={self.num_layers},kv={self.kv_factor},tokens={self.block_size},"
+                f"heads={self.num_kv_heads},dim={self.head_dim}] {dtype_name(self.dtype)} {self.token_layout}")
+
+    def fingerprint(self) -> int:
+        """Stable 64-bit id of this layout; stored in every block header and part of the namespace."""
+        return xxhash.xxh3_64_intdigest(self.describe().encode())
+
+    def logical_view(self, blocks: torch.Tensor) -> torch.Tensor:
+        """View ``[n, *shape]`` blocks as ``[n, *logical_shape]`` (a permutation, never a copy)."""
+        if tuple(blocks.shape[1:]) != self.shape:
+            raise LayoutMismatch(f"blocks have shape {tuple(blocks.shape)}, expected [n, {', '.join(map(str, self.shape))}]")
+        if self.token_layout == "NHD":
+            return blocks
+        return blocks.permute(0, 1, 2, 4, 3, 5)
+
+    def check_blocks(self, blocks: torch.Tensor, what: str = "blocks") -> torch.Tensor:
+        """Validate a ``[n, *shape]`` tensor of this layout and return it viewed as ``[n, nbytes]`` bytes."""
+        if not isinstance(blocks, torch.Tensor):
+            raise LayoutMismatch(f"{what} must be a torch.Tensor, got {type(blocks).__name__}")
+        if blocks.dtype != self.dtype:
+            raise LayoutMismatch(f"{what} have dtype {blocks.dtype}, expected {self.dtype} ({self.describe()})")
+        if blocks.dim() != len(self.shape) + 1 or tuple(blocks.shape[1:]) != self.shape:
+            raise LayoutMismatch(
+                f"{what} have shape {tuple(blocks.shape)}, expected [n, {', '.join(map(str, self.shape))}] "
+                f"({self.describe()})")
+        if not blocks.is_contiguous():
+            raise LayoutMismatch(f"{what} must be contiguous (strides {blocks.stride()})")
+        return blocks.view(torch.uint8).view(blocks.shape[0], self.nbytes)
+
+
+class PerLayerKind(str, Enum):
+    """How an engine lays out one layer's paged KV tensor."""
+
+    #: ``(2, num_blocks, block_size, heads, dim)`` (NHD) or ``(2, num_blocks, heads, block_size, dim)`` (HND)
+    FLASH_ATTN = "flash_attn"
+    #: ``(num_blocks, 2, block_size, heads, dim)`` (NHD) or ``(num_blocks, 2, heads, block_size, dim)`` (HND)
+    FLASHINFER = "flashinfer"
+    #: MLA: ``(num_blocks, block_size, head_dim)`` — one latent vector per token, no K/V split
+    MLA = "mla"
+
+
+@dataclass(frozen=True)
+class PerLayerLayout:
+    """An engine's per-layer paged KV layout: what kvtier packs into cross-layer blocks."""
+
+    kind: PerLayerKind
+    token_layout: TokenLayout = "NHD"
+
+    def layer_shape(self, num_blocks: int, block: BlockLayout) -> tuple[int, ...]:
+        """Shape of one layer's tensor holding ``num_blocks`` engine blocks of ``block``'s geometry."""
+        bs, h, d = block.block_size, block.num_kv_heads, block.head_dim
+        inner = (bs, h, d) if self.token_layout == "NHD" else (h, bs, d)
+        if self.kind is PerLayerKind.FLASH_ATTN:
+            return (2, num_blocks, *inner)
+        if self.kind is PerLayerKind.FLASHINFER:
+            return (num_blocks, 2, *inner)
+        return (num_blocks, bs, d)
