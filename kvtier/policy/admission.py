@@ -1,0 +1,61 @@
+"""Admission: whether a tier lets a block in at all (CacheLib's ``admission_policy/``).
+
+Admitting every block to a slow tier wastes write bandwidth on blocks that are never read again.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+
+from kvtier.blocks import BlockKey
+
+
+class AdmissionPolicy(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def admit(self, key: BlockKey) -> bool:
+        """Whether ``key`` may enter the tier now; may record that it was seen."""
+
+
+class AdmitAll(AdmissionPolicy):
+    """Every block is admitted: the right choice for the top tier."""
+
+    name = "always"
+
+    def admit(self, key: BlockKey) -> bool:
+        return True
+
+
+class SecondSighting(AdmissionPolicy):
+    """Admit a block only the second time it is offered within a bounded history.
+
+    One-hit wonders (blocks written once and never reused) never cost a write to this tier. The
+    history holds at most ``history`` keys, oldest forgotten first, so memory is bounded.
+    """
+
+    name = "second_sighting"
+
+    def __init__(self, history: int = 65536) -> None:
+        if history <= 0:
+            raise ValueError(f"history must be positive, got {history}")
+        self.history = history
+        self._seen: OrderedDict[BlockKey, None] = OrderedDict()
+
+    def admit(self, key: BlockKey) -> bool:
+        if key in self._seen:
+            del self._seen[key]
+            return True
+        self._seen[key] = None
+        if len(self._seen) > self.history:
+            self._seen.popitem(last=False)
+        return False
+
+
+def make_admission_policy(name: str, history: int = 65536) -> AdmissionPolicy:
+    if name == "always":
+        return AdmitAll()
+    if name == "second_sighting":
+        return SecondSighting(history)
+    raise KeyError(f"unknown admission policy {name!r}; known: ['always', 'second_sighting']")

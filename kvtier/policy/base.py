@@ -1,0 +1,65 @@
+"""The eviction interface: one policy object per (tier, KV-cache group) partition.
+
+A policy knows keys and the order in which they should leave, nothing else: it never touches bytes
+or tiers. The cache (and ``kvtier replay``, which drives the very same objects) tells it what was
+inserted, accessed and removed, and asks it for victims. Pinned keys — blocks an in-flight load or
+store is using — are passed in and must never be returned.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Container
+from typing import NamedTuple
+
+from kvtier.blocks import BlockKey
+
+
+class InsertHint(NamedTuple):
+    """What the cache knows about a block when it is stored; policies may use it or ignore it.
+
+    ``position`` is the block's index in its request's chain (0 = first block after nothing): a block
+    is only useful if all blocks before it are cached too, so prefix-aware policies evict tails first.
+    """
+
+    position: int = 0
+    request_id: int = -1
+
+
+class EvictionPolicy(ABC):
+    """Orders the blocks of one partition for eviction.
+
+    Lifecycle: :meth:`insert` when a block is admitted (it may be pending and pinned), :meth:`access`
+    on each hit, :meth:`victims` when room is needed (no state change), :meth:`remove` when the cache
+    really drops a block (evicted, deleted, failed). Every method is O(1) or O(log n) amortised,
+    except :meth:`victims`, which is O(k + pinned keys skipped).
+    """
+
+    #: Name used in config (``eviction: lru``) and in replay tables.
+    name: str = ""
+
+    @abstractmethod
+    def insert(self, key: BlockKey, hint: InsertHint = InsertHint()) -> None:
+        """A block was admitted to the partition (a key already present counts as an access)."""
+
+    @abstractmethod
+    def access(self, key: BlockKey) -> None:
+        """The block was hit (loaded, or looked up by a request that will load it)."""
+
+    @abstractmethod
+    def remove(self, key: BlockKey) -> None:
+        """The block left the partition; unknown keys are ignored."""
+
+    @abstractmethod
+    def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
+        """Up to ``count`` distinct resident keys to evict first, none in ``pinned``; changes nothing."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Resident keys tracked."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    def miss(self, key: BlockKey) -> None:  # noqa: B027 - optional hook, most policies ignore misses
+        """A lookup for a key this partition does not hold (ghost-list policies learn from it)."""

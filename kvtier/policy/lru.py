@@ -1,0 +1,46 @@
+"""Least recently used: the baseline every other policy is measured against."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container
+
+from kvtier.blocks import BlockKey
+from kvtier.policy.base import EvictionPolicy, InsertHint
+
+
+class LRUPolicy(EvictionPolicy):
+    """Evicts the block accessed longest ago. An ``OrderedDict``: every operation is O(1)."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[BlockKey, None] = OrderedDict()
+
+    def insert(self, key: BlockKey, hint: InsertHint = InsertHint()) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def access(self, key: BlockKey) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: BlockKey) -> None:
+        self._order.pop(key, None)
+
+    def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
+        out: list[BlockKey] = []
+        if count <= 0:
+            return out
+        for key in self._order:
+            if key not in pinned:
+                out.append(key)
+                if len(out) == count:
+                    break
+        return out
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order

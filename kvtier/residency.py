@@ -1,0 +1,247 @@
+"""Which tier holds which block, and the plan of moves a store or a promotion needs.
+
+This is the metadata half of :class:`kvtier.cache.TieredCache`: tier indexes, pins, byte usage,
+eviction policies and placement decisions — no bytes. The cache executes the :class:`Plan` it
+returns against real tiers; ``kvtier replay`` executes the same plans against nothing and counts
+what would have moved. One implementation, so a replayed policy is the policy the cache runs.
+
+Entry states: ``PENDING`` (space reserved, bytes in flight: invisible to lookups, never evicted),
+``READY`` (readable), and removed. Pinned entries (in-flight reads) are never chosen as victims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtier.blocks import BlockKey
+from kvtier.policy import EvictionPolicy, InsertHint, make_eviction_policy
+from kvtier.policy.placement import PlacementPolicy
+
+PENDING = 0
+READY = 1
+
+
+class TierIndex:
+    """Metadata of one tier: resident keys per group partition, their state, pins and policy.
+
+    A *self-evicting* tier (Redis) keeps no entries: its server evicts on its own, so kvtier never
+    claims to know what it holds (lookups ask the tier itself).
+    """
+
+    def __init__(self, name: str, capacity: Mapping[int, int], block_bytes: Mapping[int, int],
+                 eviction: str = "lru", *, self_evicting: bool = False,
+                 policies: Mapping[int, EvictionPolicy] | None = None) -> None:
+        self.name = name
+        self.self_evicting = self_evicting
+        self.capacity = dict(capacity)
+        self.block_bytes = dict(block_bytes)
+        self.used = dict.fromkeys(self.block_bytes, 0)
+        self.policies: dict[int, EvictionPolicy] = (
+            dict(policies) if policies is not None
+            else {g: make_eviction_policy(eviction) for g in self.block_bytes})
+        self.entries: dict[BlockKey, int] = {}
+        self.pins: dict[BlockKey, int] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+    def is_ready(self, key: BlockKey) -> bool:
+        return self.entries.get(key) == READY
+
+    def pin(self, key: BlockKey) -> None:
+        self.pins[key] = self.pins.get(key, 0) + 1
+
+    def unpin(self, key: BlockKey) -> None:
+        count = self.pins.get(key, 0) - 1
+        if count > 0:
+            self.pins[key] = count
+        else:
+            self.pins.pop(key, None)
+
+    def fits(self, group_id: int) -> bool:
+        """Whether this tier can ever hold a block of the group (capacity of at least one block)."""
+        return self.self_evicting or self.capacity.get(group_id, 0) >= self.block_bytes.get(group_id, 1 << 62)
+
+    def add(self, key: BlockKey, hint: InsertHint, *, ready: bool) -> None:
+        """Record ``key`` (space must have been made); a pending entry is pinned until :meth:`settle`."""
+        if self.self_evicting:
+            return
+        self.entries[key] = READY if ready else PENDING
+        self.used[key.group_id] += self.block_bytes[key.group_id]
+        self.policies[key.group_id].insert(key, hint)
+        if not ready:
+            self.pin(key)
+
+    def settle(self, key: BlockKey, ok: bool) -> None:
+        """A pending write finished: make it readable, or forget it if it failed."""
+        if self.self_evicting or key not in self.entries:
+            return
+        self.unpin(key)
+        if ok:
+            self.entries[key] = READY
+        else:
+            self.discard(key)
+
+    def discard(self, key: BlockKey) -> bool:
+        """Forget ``key`` (evicted, deleted, or found corrupt). Returns whether it was present."""
+        if self.entries.pop(key, None) is None:
+            return False
+        self.used[key.group_id] -= self.block_bytes[key.group_id]
+        self.policies[key.group_id].remove(key)
+        return True
+
+    def victims_for(self, group_id: int, extra_bytes: int) -> list[BlockKey] | None:
+        """Unpinned keys whose removal lets ``extra_bytes`` more fit; None if that is impossible."""
+        if self.self_evicting:
+            return []
+        need = self.used[group_id] + extra_bytes - self.capacity[group_id]
+        if need <= 0:
+            return []
+        per_block = self.block_bytes[group_id]
+        count = -(-need // per_block)
+        victims = self.policies[group_id].victims(count, self.pins)
+        return victims if len(victims) == count else None
+
+    def usage(self) -> int:
+        return sum(self.used.values())
+
+    def keys(self) -> Iterable[BlockKey]:
+        return self.entries.keys()
+
+
+@dataclass
+class Plan:
+    """Moves that make a store or promotion happen, in the order the executor runs them.
+
+    ``demotions[t]``: (key, destination tier) copies out of tier ``t``, then ``drops[t]`` deletes
+    from ``t``; both run for ``t`` from the bottom tier up, so a tier's room exists before data
+    arrives. Then ``writes[t]``: indexes into the caller's keys/buffers written into tier ``t``.
+    ``skipped``: caller indexes already stored (they were only touched).
+    """
+
+    num_tiers: int
+    demotions: list[list[tuple[BlockKey, int]]] = field(default_factory=list)
+    drops: list[list[BlockKey]] = field(default_factory=list)
+    writes: list[list[int]] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.demotions = [[] for _ in range(self.num_tiers)]
+        self.drops = [[] for _ in range(self.num_tiers)]
+        self.writes = [[] for _ in range(self.num_tiers)]
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.demotions) and not any(self.drops) and not any(self.writes)
+
+
+Outcome = Literal["hit", "miss"]
+
+
+class Residency:
+    """Tier indexes top → bottom plus the placement policy; builds plans and applies outcomes."""
+
+    def __init__(self, tiers: Sequence[TierIndex], placement: PlacementPolicy) -> None:
+        if len(tiers) != placement.num_tiers:
+            raise ValueError(f"{len(tiers)} tiers but placement rules for {placement.num_tiers}")
+        self.tiers = list(tiers)
+        self.placement = placement
+
+    # --- lookups ---------------------------------------------------------------------------------
+    def locate(self, key: BlockKey) -> int | None:
+        """Top-most tier holding a READY copy of ``key`` (self-evicting tiers are not consulted)."""
+        for t, index in enumerate(self.tiers):
+            if index.entries.get(key) == READY:
+                return t
+        return None
+
+    def locate_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Tiers of the leading run of keys with a known READY copy; stops at the first unknown."""
+        found: list[int] = []
+        for key in keys:
+            t = self.locate(key)
+            if t is None:
+                break
+            found.append(t)
+        return found
+
+    def touch(self, tier: int, key: BlockKey) -> None:
+        self.tiers[tier].policies[key.group_id].access(key)
+
+    # --- planning ----------------------------------------------------------------------------------
+    def plan_store(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None = None, *,
+                   only_tier: int | None = None) -> Plan:
+        """Reserve room and entries for storing ``keys``; the caller must execute the plan.
+
+        With ``only_tier`` (promotions) the block goes to that tier alone. A key already present in
+        a target tier is touched, not rewritten. A tier that cannot make room (everything pinned)
+        is skipped; with write-back the next tier down is tried.
+        """
+        plan = Plan(len(self.tiers))
+        write_through = self.placement.write_mode == "write_through"
+        for i, key in enumerate(keys):
+            hint = hints[i] if hints is not None else InsertHint(position=i)
+            targets = [only_tier] if only_tier is not None else range(len(self.tiers))
+            placed = False
+            for t in targets:
+                index = self.tiers[t]
+                if key in index.entries:
+                    self.touch(t, key)
+                    placed = True
+                    if write_through:
+                        continue
+                    break
+                if not index.fits(key.group_id) or not self.placement.admission[t].admit(key):
+                    continue
+                if not self._make_room(t, key.group_id, plan):
+                    continue
+                index.add(key, hint, ready=False)
+                plan.writes[t].append(i)
+                placed = True
+                if not write_through:
+                    break
+            if placed and not any(i in w for w in plan.writes):
+                plan.skipped.append(i)
+        return plan
+
+    def _make_room(self, t: int, group_id: int, plan: Plan) -> bool:
+        index = self.tiers[t]
+        victims = index.victims_for(group_id, index.block_bytes[group_id])
+        if victims is None:
+            return False
+        for victim in victims:
+            index.discard(victim)
+            dst = self._demotion_target(t, victim, plan)
+            if dst is not None:
+                index.pin(victim)  # read by the demotion copy before it is dropped
+                plan.demotions[t].append((victim, dst))
+            plan.drops[t].append(victim)
+        return True
+
+    def _demotion_target(self, t: int, key: BlockKey, plan: Plan) -> int | None:
+        if self.placement.write_mode != "write_back":
+            return None
+        for u in range(t + 1, len(self.tiers)):
+            lower = self.tiers[u]
+            if key in lower.entries:
+                return None  # a copy already lives below (inclusive caching): nothing to write
+            if not lower.fits(key.group_id) or not self.placement.admission[u].admit(key):
+                continue
+            if self._make_room(u, key.group_id, plan):
+                lower.add(key, InsertHint(), ready=False)
+                return u
+        return None
+
+    # --- outcomes ----------------------------------------------------------------------------------
+    def finish_demotion(self, src: int, dst: int, key: BlockKey, ok: bool) -> None:
+        self.tiers[src].unpin(key)
+        self.tiers[dst].settle(key, ok)
+
+    def finish_write(self, tier: int, key: BlockKey, ok: bool) -> None:
+        self.tiers[tier].settle(key, ok)
+
+    def forget(self, tier: int, key: BlockKey) -> None:
+        """A tier reported ``key`` missing or corrupt: drop it from the index."""
+        self.tiers[tier].discard(key)

@@ -1,0 +1,126 @@
+"""The one interface every storage tier implements: batched operations on whole blocks.
+
+A tier knows bytes, never decisions: it stores, returns and deletes whole blocks of a fixed size per
+KV-cache group, and reports what it holds. Who is evicted, where a block goes and when it is promoted
+is decided by :mod:`kvtier.policy` and wired by :class:`kvtier.cache.TieredCache`.
+
+Blocks cross this interface as 1-D ``torch.uint8`` tensors of exactly the group's block bytes
+(``BlockLayout.nbytes``); on the CPU they are zero-copy numpy-compatible views.
+
+Failure contract (DESIGN.md §8): ``put`` and ``get`` report per-block success and never raise for an
+I/O fault, a dead server or a corrupt block — those become ``False`` (a failed store / a miss) and a
+counted error. They raise only for programming errors (wrong buffer size, unknown group).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from kvtier.blocks import BlockKey
+from kvtier.errors import LayoutMismatch
+from kvtier.layout import BlockLayout
+
+
+@dataclass
+class TierCounters:
+    """Raw counters a tier keeps about its own I/O; the cache adds hits/misses on top."""
+
+    blocks_written: int = 0
+    blocks_read: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def error(self, kind: str, count: int = 1) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + count
+
+
+class Tier(ABC):
+    """A place where whole KV blocks live.
+
+    ``layouts`` maps group id → the layout of that group's blocks; ``capacity_bytes`` maps group id →
+    the bytes this tier may hold for that group (the cache never asks for more: it evicts first).
+    """
+
+    #: Short type name used in config (``cpu``, ``file``, ``redis`` …).
+    kind: ClassVar[str]
+    #: True when the backing store evicts on its own (Redis ``maxmemory``): kvtier keeps no index of
+    #: such a tier and asks it with :meth:`contains` instead.
+    self_evicting: ClassVar[bool] = False
+    #: True when :meth:`views` can hand out zero-copy tensors of resident blocks.
+    addressable: ClassVar[bool] = False
+
+    def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int]) -> None:
+        self.name = name
+        self.layouts = dict(layouts)
+        self.capacity_bytes = dict(capacity_bytes)
+        self.counters = TierCounters()
+
+    # --- data path -------------------------------------------------------------------------------
+    @abstractmethod
+    async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
+        """Store ``blocks[i]`` under ``keys[i]``; an existing block is overwritten.
+
+        Called by the cache after it made room. Returns per-block success; a ``False`` block is
+        not stored (its old value, if any, is gone too). Never raises for I/O faults.
+        """
+
+    @abstractmethod
+    async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy the block of ``keys[i]`` into ``out[i]`` (caller memory, block bytes long).
+
+        ``False`` means a miss: absent, unreadable or failing validation — and a block that failed
+        validation is deleted. ``out[i]`` of a miss holds unspecified bytes.
+        """
+
+    @abstractmethod
+    async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key is stored (a cheap check; ``get`` may still miss on a corrupt block)."""
+
+    @abstractmethod
+    async def delete(self, keys: Sequence[BlockKey]) -> None:
+        """Remove the keys; absent keys are ignored; failures are counted, never raised."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[BlockKey]:
+        """Every key the tier holds now (used to rebuild the cache index at start)."""
+
+    @abstractmethod
+    def usage_bytes(self) -> int:
+        """Bytes of blocks held, counted at their raw (uncompressed) block size."""
+
+    def views(self, keys: Sequence[BlockKey]) -> list[torch.Tensor]:
+        """Zero-copy views of resident blocks (only for :attr:`addressable` tiers)."""
+        raise NotImplementedError(f"tier {self.name!r} ({self.kind}) has no addressable memory")
+
+    async def close(self) -> None:
+        """Release resources; further calls are undefined."""
+
+    # --- helpers for implementations ----------------------------------------------------------------
+    def block_bytes(self, group_id: int) -> int:
+        try:
+            return self.layouts[group_id].nbytes
+        except KeyError:
+            raise LayoutMismatch(f"tier {self.name!r} has no KV-cache group {group_id} "
+                                 f"(groups: {sorted(self.layouts)})") from None
+
+    def check_buffers(self, keys: Sequence[BlockKey], buffers: Sequence[torch.Tensor], what: str) -> None:
+        """Raise :class:`LayoutMismatch` unless each buffer is a contiguous uint8 block of its group."""
+        if len(keys) != len(buffers):
+            raise LayoutMismatch(f"{len(keys)} keys but {len(buffers)} {what} buffers")
+        for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
+            expected = self.block_bytes(key.group_id)
+            if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != expected or not buf.is_contiguous():
+                raise LayoutMismatch(
+                    f"{what}[{i}] must be a contiguous 1-D uint8 tensor of {expected} bytes for group "
+                    f"{key.group_id}, got dtype {buf.dtype}, shape {tuple(buf.shape)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, capacity={sum(self.capacity_bytes.values())})"

@@ -1,0 +1,40 @@
+"""Byte buffers shared by the tiers: page-aligned allocation and batching of block rows."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+PAGE = mmap.PAGESIZE
+
+
+def aligned_empty(num_bytes: int) -> torch.Tensor:
+    """A page-aligned uint8 CPU tensor (an anonymous mapping): fast for preadv/pwritev and O_DIRECT."""
+    mapping = mmap.mmap(-1, max(num_bytes, 1))
+    return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8, count=num_bytes))
+
+
+def is_aligned(buf: torch.Tensor, alignment: int = PAGE) -> bool:
+    return buf.data_ptr() % alignment == 0
+
+
+def as_rows(buffers: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``[n, nbytes]`` view when the 1-D buffers are consecutive equal-size rows of one tensor, else None.
+
+    Callers usually hand kvtier one ``[n, *block_shape]`` tensor; recognising it lets a batch move
+    with one indexed copy instead of n.
+    """
+    first = buffers[0]
+    n, size = len(buffers), first.numel()
+    base = first.data_ptr()
+    for i, buf in enumerate(buffers):
+        if buf.numel() != size or buf.data_ptr() != base + i * size or buf.device != first.device:
+            return None
+    storage = first.untyped_storage()
+    offset = first.storage_offset()
+    if offset + n * size > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (n, size), (size, 1))

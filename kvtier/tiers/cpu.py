@@ -1,0 +1,184 @@
+"""Host-memory tier: one slab of fixed-size slots per KV-cache group.
+
+Slabs are page-aligned anonymous mappings (aligned buffers are what make file I/O and DMA fast) and,
+when CUDA is present, page-locked with ``cudaHostRegister`` — exactly the bytes asked for, unlike
+``pin_memory()``, whose caching allocator rounds up to powers of two. Slots are zero-copy views: the
+GPU kernels, the file tier and demotions read and write them in place.
+
+Not here: deciding what to evict (the cache does that before ``put``), compression, checksums (the
+bytes never leave process memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import Iterator, Mapping, Sequence
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from kvtier.blocks import BlockKey
+from kvtier.layout import BlockLayout
+from kvtier.tiers.base import Tier
+from kvtier.tiers.buffers import as_rows
+
+log = logging.getLogger(__name__)
+
+
+class _Slab:
+    """``num_slots`` contiguous slots of ``slot_bytes`` in one page-aligned mapping."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin: bool) -> None:
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        size = max(num_slots * slot_bytes, 1)
+        self._map = mmap.mmap(-1, size)
+        self.tensor = torch.from_numpy(np.frombuffer(self._map, dtype=np.uint8, count=num_slots * slot_bytes)
+                                       ).view(num_slots, slot_bytes)
+        self.pinned = False
+        if pin and num_slots:
+            self.pinned = _host_register(self.tensor)
+        self.free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.slot_of: dict[BlockKey, int] = {}
+
+    def release(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+
+
+def _host_register(tensor: torch.Tensor) -> bool:
+    """Page-lock ``tensor``'s memory in place; False (and a log line) if CUDA refuses."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+    except Exception as exc:  # CUDA present but the runtime call is unusable
+        log.warning("cudaHostRegister failed (%s); the CPU tier uses pageable memory", exc)
+        return False
+    if int(err) != 0:
+        log.warning("cudaHostRegister returned %s; the CPU tier uses pageable memory", err)
+        return False
+    return True
+
+
+class CpuTier(Tier):
+    """Pinned (when CUDA is there) or plain host memory, ``capacity_bytes[g] // block_bytes`` slots per group."""
+
+    kind: ClassVar[str] = "cpu"
+    addressable: ClassVar[bool] = True
+
+    def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int], *,
+                 pinned: bool | None = None) -> None:
+        super().__init__(name, layouts, capacity_bytes)
+        pin = torch.cuda.is_available() if pinned is None else pinned
+        if pin and not torch.cuda.is_available():
+            log.info("CPU tier %r: pinned memory asked for but CUDA is unavailable; using plain memory", name)
+            pin = False
+        self._slabs = {g: _Slab(self.capacity_bytes.get(g, 0) // layout.nbytes, layout.nbytes, pin)
+                       for g, layout in self.layouts.items()}
+
+    @property
+    def pinned(self) -> bool:
+        return any(s.pinned for s in self._slabs.values())
+
+    def slots(self, group_id: int) -> int:
+        return self._slabs[group_id].num_slots
+
+    async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy blocks into slots (an existing key keeps its slot). False when the group's slab is full."""
+        self.check_buffers(keys, blocks, "blocks")
+        ok = [False] * len(keys)
+        for group_id, idx in _by_group(keys).items():
+            slab = self._slabs[group_id]
+            slots: list[int] = []
+            placed: list[int] = []
+            for i in idx:
+                slot = slab.slot_of.get(keys[i])
+                if slot is None:
+                    if not slab.free:
+                        continue
+                    slot = slab.free.pop()
+                    slab.slot_of[keys[i]] = slot
+                slots.append(slot)
+                placed.append(i)
+            _copy_rows([blocks[i] for i in placed], slab.tensor, slots, into_slab=True)
+            for i in placed:
+                ok[i] = True
+            self.counters.blocks_written += len(placed)
+            self.counters.bytes_written += len(placed) * slab.slot_bytes
+        return ok
+
+    async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy resident blocks into ``out``; a key without a slot is a miss."""
+        self.check_buffers(keys, out, "out")
+        ok = [False] * len(keys)
+        for group_id, idx in _by_group(keys).items():
+            slab = self._slabs[group_id]
+            hits = [i for i in idx if keys[i] in slab.slot_of]
+            _copy_rows([out[i] for i in hits], slab.tensor, [slab.slot_of[keys[i]] for i in hits],
+                       into_slab=False)
+            for i in hits:
+                ok[i] = True
+            self.counters.blocks_read += len(hits)
+            self.counters.bytes_read += len(hits) * slab.slot_bytes
+        return ok
+
+    async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return [k in self._slabs[k.group_id].slot_of if k.group_id in self._slabs else False for k in keys]
+
+    async def delete(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            slab = self._slabs.get(key.group_id)
+            if slab is not None:
+                slot = slab.slot_of.pop(key, None)
+                if slot is not None:
+                    slab.free.append(slot)
+
+    def keys(self) -> Iterator[BlockKey]:
+        for slab in self._slabs.values():
+            yield from list(slab.slot_of)
+
+    def usage_bytes(self) -> int:
+        return sum(len(s.slot_of) * s.slot_bytes for s in self._slabs.values())
+
+    def views(self, keys: Sequence[BlockKey]) -> list[torch.Tensor]:
+        """Zero-copy slot views; valid until the key is deleted (the cache pins it meanwhile)."""
+        views = []
+        for key in keys:
+            slab = self._slabs[key.group_id]
+            views.append(slab.tensor[slab.slot_of[key]])
+        return views
+
+    async def close(self) -> None:
+        for slab in self._slabs.values():
+            slab.release()
+
+
+def _by_group(keys: Sequence[BlockKey]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key.group_id, []).append(i)
+    return groups
+
+
+def _copy_rows(buffers: list[torch.Tensor], slab: torch.Tensor, slots: list[int], *, into_slab: bool) -> None:
+    """Copy between caller buffers and slab rows.
+
+    Into the slab: one fancy-indexed assignment when the buffers are rows of one tensor. Out of the
+    slab: one ``np.copyto`` per block — measured here, ``np.take(..., out=)`` runs at a third of the
+    speed of row copies, and ``torch`` row copies split 2 MiB across threads for no gain.
+    """
+    if not buffers:
+        return
+    slab_np = slab.numpy()
+    if into_slab:
+        rows = as_rows(buffers)
+        if rows is not None and len(buffers) > 1:
+            slab_np[np.asarray(slots)] = rows.numpy()
+            return
+        for buf, slot in zip(buffers, slots, strict=True):
+            np.copyto(slab_np[slot], buf.numpy())
+        return
+    for buf, slot in zip(buffers, slots, strict=True):
+        np.copyto(buf.numpy(), slab_np[slot])
