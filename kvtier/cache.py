@@ -1,0 +1,420 @@
+"""TieredCache: lookup, load and store of KV blocks over an ordered list of tiers.
+
+The orchestrator. It asks :class:`kvtier.residency.Residency` (index, pins, eviction, placement)
+what to move, moves bytes between :mod:`kvtier.tiers` in batches, and turns every tier failure
+into a miss or a failed store — it never raises an I/O fault into the engine (DESIGN.md §8).
+
+Two faces, like redis-py: :class:`AsyncTieredCache` (coroutines, for async engines) and
+:class:`TieredCache` (blocking calls, for everyone else; it runs the async core on a private event
+loop thread, so transfers also run while the caller computes: ``submit_load``/``submit_store``).
+
+Concurrency: index mutations happen only on the event loop thread. Stores and promotions hold one
+asyncio lock while planning and executing (their room-making must not interleave); loads read
+pinned blocks without it, so reads overlap with writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from kvtier.blocks import BlockKey, KVCacheSpec
+from kvtier.errors import LayoutMismatch
+from kvtier.hashing import Namespace
+from kvtier.metrics import CacheStats, TierActivity, TierStats
+from kvtier.policy import InsertHint
+from kvtier.policy.placement import PlacementPolicy
+from kvtier.residency import Plan, Residency, TierIndex
+from kvtier.tiers.base import Tier
+from kvtier.tiers.buffers import aligned_empty
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+Blocks = torch.Tensor | Sequence[torch.Tensor]
+
+
+class AsyncTieredCache:
+    """The async core. Create with :meth:`from_config` (or directly), then ``await start()``."""
+
+    def __init__(self, spec: KVCacheSpec, tiers: Sequence[Tier], residency: Residency,
+                 namespace: Namespace | None = None) -> None:
+        if len(tiers) != len(residency.tiers):
+            raise ValueError(f"{len(tiers)} tiers but an index for {len(residency.tiers)}")
+        self.spec = spec
+        self.tiers = list(tiers)
+        self.residency = residency
+        self.namespace = namespace
+        self.layouts = {g.group_id: g.layout for g in spec.groups}
+        self._activity = [TierActivity() for _ in self.tiers]
+        self._remote = [t for t, tier in enumerate(self.tiers) if tier.self_evicting]
+        self._mutation: asyncio.Lock | None = None
+        self._counts = dict(lookups=0, lookup_blocks=0, lookup_hit_blocks=0, loads=0, load_blocks=0,
+                            loaded_blocks=0, stored_blocks=0)
+        self._started = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> AsyncTieredCache:
+        """Build from a YAML path, a dict, or a validated :class:`kvtier.config.KVTierConfig`."""
+        from kvtier.config import build_cache_parts, load_config
+
+        cfg = config if hasattr(config, "tiers") and not isinstance(config, dict) else load_config(config)
+        spec, tiers, residency, namespace = build_cache_parts(cfg)
+        return cls(spec, tiers, residency, namespace)
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Index what the persistent tiers already hold (a restart keeps a warm cache). Idempotent."""
+        if self._started:
+            return
+        self._started = True
+        self._mutation = asyncio.Lock()
+        for t, tier in enumerate(self.tiers):
+            index = self.residency.tiers[t]
+            if tier.self_evicting:
+                continue
+            surplus: list[BlockKey] = []
+            for key in tier.keys():
+                if key.group_id not in index.block_bytes or key in index:
+                    continue
+                if index.victims_for(key.group_id, index.block_bytes[key.group_id]) != []:
+                    surplus.append(key)
+                    continue
+                index.add(key, InsertHint(), ready=True)
+            if surplus:
+                log.info("tier %s holds %d blocks beyond its capacity; deleting them", tier.name, len(surplus))
+                await self._safe_delete(t, surplus)
+
+    async def close(self) -> None:
+        for tier in self.tiers:
+            try:
+                await tier.close()
+            except Exception:
+                log.exception("closing tier %s failed", tier.name)
+
+    async def __aenter__(self) -> AsyncTieredCache:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- public API -----------------------------------------------------------------------------------
+    async def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """Number of leading ``keys`` cached in some tier. Reads no block data; never raises for I/O."""
+        await self.start()
+        found = await self._locate(keys)
+        self._counts["lookups"] += 1
+        self._counts["lookup_blocks"] += len(keys)
+        self._counts["lookup_hit_blocks"] += len(found)
+        return len(found)
+
+    async def load(self, keys: Sequence[BlockKey], out: Blocks) -> int:
+        """Fill ``out`` with the leading cached blocks of ``keys``; return how many are valid.
+
+        Blocks ``[0, n)`` of ``out`` are bit-exact copies of what was stored; blocks from ``n`` on
+        are unspecified. A block that fails validation in a tier is a miss there (and is deleted).
+        Hits in a lower tier are promoted per the placement policy before this returns (the copy
+        reads ``out``, so the caller may reuse ``out`` as soon as this returns).
+        """
+        await self.start()
+        buffers = self._byte_blocks(keys, out, "out")
+        self._counts["loads"] += 1
+        self._counts["load_blocks"] += len(keys)
+        where = await self._locate(keys)
+        n = len(where)
+        for t, key in zip(where, keys, strict=False):
+            self.residency.tiers[t].pin(key)
+        ok = [False] * n
+        try:
+            by_tier: dict[int, list[int]] = {}
+            for i, t in enumerate(where):
+                by_tier.setdefault(t, []).append(i)
+            results = await asyncio.gather(*(
+                self._safe_io(t, "get", [keys[i] for i in idx], [buffers[i] for i in idx])
+                for t, idx in by_tier.items()))
+            for (t, idx), res in zip(by_tier.items(), results, strict=True):
+                for i, hit in zip(idx, res, strict=True):
+                    ok[i] = hit
+                    if not hit:
+                        self._activity[t].corrupt_or_lost += 1
+                        self.residency.forget(t, keys[i])
+        finally:
+            for t, key in zip(where, keys, strict=False):
+                self.residency.tiers[t].unpin(key)
+        loaded = ok.index(False) if False in ok else n
+        for i in range(loaded):
+            t = where[i]
+            self._activity[t].hits += 1
+            if not self.tiers[t].self_evicting:
+                self.residency.touch(t, keys[i])
+        self._counts["loaded_blocks"] += loaded
+        await self._promote(keys[:loaded], where[:loaded], buffers[:loaded])
+        return loaded
+
+    async def store(self, keys: Sequence[BlockKey], blocks: Blocks,
+                    hints: Sequence[InsertHint] | None = None) -> int:
+        """Store blocks (already cached keys are only touched); return how many are now cached.
+
+        ``blocks`` is a ``[n, *layout.shape]`` tensor of the group's dtype, or one such block per key.
+        The bytes are copied before this returns. A block no tier could take is simply not cached.
+        """
+        await self.start()
+        buffers = self._byte_blocks(keys, blocks, "blocks")
+        if hints is None:
+            hints = [InsertHint(position=i) for i in range(len(keys))]
+        assert self._mutation is not None
+        async with self._mutation:
+            plan = self.residency.plan_store(keys, hints)
+            stored = await self._execute(plan, keys, buffers)
+        count = len(set(stored) | set(plan.skipped))
+        self._counts["stored_blocks"] += count
+        return count
+
+    def stats(self) -> CacheStats:
+        """A snapshot of counters; cheap, safe to call at any time."""
+        tiers = []
+        for t, tier in enumerate(self.tiers):
+            a, c = self._activity[t], tier.counters
+            tiers.append(TierStats(
+                name=tier.name, kind=tier.kind, hits=a.hits, stores=a.stores, failed_stores=a.failed_stores,
+                evictions=a.evictions, demotions_out=a.demotions_out, promotions_in=a.promotions_in,
+                corrupt_or_lost=a.corrupt_or_lost, blocks_read=c.blocks_read, blocks_written=c.blocks_written,
+                bytes_read=c.bytes_read, bytes_written=c.bytes_written, read_seconds=c.read_seconds,
+                write_seconds=c.write_seconds,
+                usage_bytes=(tier.usage_bytes() if tier.self_evicting else self.residency.tiers[t].usage()),
+                capacity_bytes=sum(tier.capacity_bytes.values()), errors=dict(c.errors)))
+        return CacheStats(tiers=tuple(tiers), **self._counts)
+
+    # --- internals ------------------------------------------------------------------------------------
+    def _byte_blocks(self, keys: Sequence[BlockKey], blocks: Blocks, what: str) -> list[torch.Tensor]:
+        """Validate caller blocks against their groups' layouts; return 1-D uint8 views (no copies)."""
+        for key in keys:
+            if not isinstance(key, BlockKey):
+                raise TypeError(f"keys must be BlockKey, got {type(key).__name__}")
+            if key.group_id not in self.layouts:
+                raise LayoutMismatch(f"{key} names group {key.group_id}; the model's groups are "
+                                     f"{sorted(self.layouts)}")
+        if isinstance(blocks, torch.Tensor):
+            if blocks.dim() == 0 or blocks.shape[0] != len(keys):
+                raise LayoutMismatch(f"{what} has shape {tuple(blocks.shape)}; expected {len(keys)} blocks "
+                                     f"on its first dimension")
+            groups = {k.group_id for k in keys}
+            if len(groups) > 1:
+                raise LayoutMismatch(f"{what} is one tensor but keys span groups {sorted(groups)}; "
+                                     f"pass one tensor per block")
+            if not keys:
+                return []
+            rows = self.layouts[keys[0].group_id].check_blocks(blocks, what)
+            return list(rows.unbind(0))
+        if len(blocks) != len(keys):
+            raise LayoutMismatch(f"{len(keys)} keys but {len(blocks)} {what}")
+        out = []
+        for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
+            layout = self.layouts[key.group_id]
+            out.append(layout.check_blocks(block.unsqueeze(0), f"{what}[{i}]")[0])
+        return out
+
+    async def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Tier of each leading cached key (top-most copy); asks self-evicting tiers for the rest."""
+        where: list[int | None] = [self.residency.locate(k) for k in keys]
+        if self._remote and None in where:
+            for t in self._remote:
+                pending = [i for i, known in enumerate(where) if known is None]
+                if not pending:
+                    break
+                present = await self._safe_io(t, "contains", [keys[i] for i in pending])
+                for i, hit in zip(pending, present, strict=True):
+                    if hit:
+                        where[i] = t
+        found: list[int] = []
+        for t in where:
+            if t is None:
+                break
+            found.append(t)
+        return found
+
+    async def _promote(self, keys: Sequence[BlockKey], where: Sequence[int], buffers: list[torch.Tensor]) -> None:
+        placement = self.residency.placement
+        todo = [i for i, t in enumerate(where) if placement.should_promote(t)]
+        if not todo:
+            return
+        target = placement.promote_to
+        assert self._mutation is not None
+        async with self._mutation:
+            sub_keys = [keys[i] for i in todo]
+            plan = self.residency.plan_store(sub_keys, None, only_tier=target)
+            done = await self._execute(plan, sub_keys, [buffers[i] for i in todo])
+            self._activity[target].promotions_in += len(done)
+            if not placement.keep_lower_copy:
+                for j in done:
+                    src = where[todo[j]]
+                    if not self.tiers[src].self_evicting and self.residency.tiers[src].discard(sub_keys[j]):
+                        await self._safe_delete(src, [sub_keys[j]])
+
+    async def _execute(self, plan: Plan, keys: Sequence[BlockKey], buffers: list[torch.Tensor]) -> list[int]:
+        """Run a plan bottom-up (demote, drop), then the writes; return caller indexes now stored."""
+        for t in reversed(range(len(self.tiers))):
+            if plan.demotions[t]:
+                await self._demote(t, plan.demotions[t])
+            if plan.drops[t]:
+                self._activity[t].evictions += len(plan.drops[t])
+                await self._safe_delete(t, plan.drops[t])
+        stored: set[int] = set()
+        writes = [(t, idx) for t, idx in enumerate(plan.writes) if idx]
+        results = await asyncio.gather(*(
+            self._safe_io(t, "put", [keys[i] for i in idx], [buffers[i] for i in idx]) for t, idx in writes))
+        for (t, idx), res in zip(writes, results, strict=True):
+            for i, ok in zip(idx, res, strict=True):
+                self.residency.finish_write(t, keys[i], ok)
+                if ok:
+                    stored.add(i)
+                    self._activity[t].stores += 1
+                else:
+                    self._activity[t].failed_stores += 1
+        return sorted(stored)
+
+    async def _demote(self, src: int, moves: list[tuple[BlockKey, int]]) -> None:
+        """Copy evicted blocks from ``src`` to their lower tiers (zero-copy when ``src`` is memory)."""
+        keys = [k for k, _ in moves]
+        tier = self.tiers[src]
+        if tier.addressable:
+            buffers = tier.views(keys)
+            readable = [True] * len(keys)
+        else:
+            buffers = [aligned_empty(tier.block_bytes(k.group_id)) for k in keys]
+            readable = await self._safe_io(src, "get", keys, buffers)
+        by_dst: dict[int, list[int]] = {}
+        for i, (_, dst) in enumerate(moves):
+            if readable[i]:
+                by_dst.setdefault(dst, []).append(i)
+            else:
+                self.residency.finish_demotion(src, dst, keys[i], False)
+        for dst, idx in by_dst.items():
+            res = await self._safe_io(dst, "put", [keys[i] for i in idx], [buffers[i] for i in idx])
+            for i, ok in zip(idx, res, strict=True):
+                self.residency.finish_demotion(src, dst, keys[i], ok)
+                if ok:
+                    self._activity[src].demotions_out += 1
+                    self._activity[dst].stores += 1
+                else:
+                    self._activity[dst].failed_stores += 1
+
+    async def _safe_io(self, t: int, op: str, keys: list[BlockKey], *args: Any) -> list[bool]:
+        """Call a tier's batched op; an unexpected exception is logged, counted and becomes all-False."""
+        if not keys:
+            return []
+        tier = self.tiers[t]
+        start = time.perf_counter()
+        try:
+            result: list[bool] = await getattr(tier, op)(keys, *args)
+        except LayoutMismatch:
+            raise
+        except Exception as exc:
+            tier.counters.error(type(exc).__name__)
+            log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
+            return [False] * len(keys)
+        elapsed = time.perf_counter() - start
+        if op == "get":
+            tier.counters.read_seconds += elapsed
+        elif op == "put":
+            tier.counters.write_seconds += elapsed
+        return result
+
+    async def _safe_delete(self, t: int, keys: list[BlockKey]) -> None:
+        tier = self.tiers[t]
+        try:
+            await tier.delete(keys)
+        except Exception as exc:
+            tier.counters.error(type(exc).__name__)
+            log.warning("tier %s: delete of %d blocks failed: %r", tier.name, len(keys), exc)
+
+
+class TieredCache:
+    """Blocking face of :class:`AsyncTieredCache`; its coroutines run on a private loop thread.
+
+    ``lookup``/``load``/``store`` block until done; ``submit_load``/``submit_store`` return a
+    :class:`concurrent.futures.Future` at once, so an engine can overlap transfers with compute.
+    Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, core: AsyncTieredCache) -> None:
+        self.core = core
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._call(core.start())
+
+    @classmethod
+    def from_config(cls, config: str | Path | dict[str, Any] | Any) -> TieredCache:
+        """Build from a YAML path, a dict, or a validated config; errors name the bad key's path."""
+        return cls(AsyncTieredCache.from_config(config))
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        return self.core.spec
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """See :meth:`AsyncTieredCache.lookup`."""
+        return self._call(self.core.lookup(keys))
+
+    def load(self, keys: Sequence[BlockKey], out: Blocks) -> int:
+        """See :meth:`AsyncTieredCache.load`."""
+        return self._call(self.core.load(keys, out))
+
+    def store(self, keys: Sequence[BlockKey], blocks: Blocks, hints: Sequence[InsertHint] | None = None) -> int:
+        """See :meth:`AsyncTieredCache.store`."""
+        return self._call(self.core.store(keys, blocks, hints))
+
+    def submit_load(self, keys: Sequence[BlockKey], out: Blocks) -> concurrent.futures.Future[int]:
+        """Start a load; ``out`` must stay untouched until the future is done."""
+        return self._submit(self.core.load(keys, out))
+
+    def submit_store(self, keys: Sequence[BlockKey], blocks: Blocks,
+                     hints: Sequence[InsertHint] | None = None) -> concurrent.futures.Future[int]:
+        """Start a store; ``blocks`` must stay unchanged until the future is done."""
+        return self._submit(self.core.store(keys, blocks, hints))
+
+    def stats(self) -> CacheStats:
+        return self._call(self._snapshot())
+
+    async def _snapshot(self) -> CacheStats:
+        return self.core.stats()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._call(self.core.close())
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("TieredCache is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._submit(coro).result()
+
+
+__all__ = ["AsyncTieredCache", "TieredCache", "TierIndex"]

@@ -1,0 +1,178 @@
+"""The ``kvtier`` command: ``demo``, ``check`` and ``replay``.
+
+Thin: parses arguments, calls the library, prints with rich. Exit codes: 0 ok, 1 the job failed
+(e.g. a verification mismatch), 2 bad usage or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtier.errors import KVTierConfigError
+
+console = Console(width=max(Console().width, 120))
+
+
+def _gib(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from kvtier.config import build_namespace, build_spec, load_config, split_capacity, tier_name
+
+    try:
+        cfg = load_config(args.config)
+    except KVTierConfigError as exc:
+        console.print(f"[red]invalid config[/red] {args.config}: {exc}")
+        return 2
+    spec = build_spec(cfg)
+    ns = build_namespace(cfg, spec)
+    m = cfg.model
+    console.print(f"[green]ok[/green] {args.config}")
+    console.print(f"model {m.name}: {m.num_layers} layers, {m.num_kv_heads} KV heads, head_dim {m.head_dim}, "
+                  f"{m.dtype}{' (MLA)' if m.mla else ''}, TP rank {m.tp_rank}/{m.tp_size}; namespace {ns.id}")
+    console.print(f"hash_block_size {spec.hash_block_size}, block_size_factor {spec.block_size_factor}")
+    groups = Table("group", "name", "GPU block", "offloaded block", "bytes/block", "layout")
+    for g in spec.groups:
+        groups.add_row(str(g.group_id), g.name, f"{g.gpu_block_size} tok", f"{g.offloaded_block_size} tok",
+                       _gib(g.layout.nbytes), g.layout.describe())
+    if not spec.groups:
+        console.print("no KV-cache groups: kvtier will store nothing")
+    else:
+        console.print(groups)
+    tiers = Table("#", "tier", "type", "capacity", "blocks/group", "eviction", "admission", "where")
+    for i, t in enumerate(cfg.tiers):
+        if t.type == "redis":
+            where = ", ".join(t.startup_nodes or []) if t.cluster else _redact_url(t.url or "")
+            tiers.add_row(str(i), tier_name(t, i), "redis" + (" cluster" if t.cluster else ""),
+                          "server maxmemory", "-", "server", t.admission, where)
+            continue
+        shares = split_capacity(t.capacity, spec)
+        blocks = ", ".join(str(shares[g.group_id] // g.layout.nbytes) for g in spec.groups)
+        where = getattr(t, "path", "pinned host memory" if getattr(t, "pinned", "auto") is not False else "host memory")
+        tiers.add_row(str(i), tier_name(t, i), t.type, _gib(t.capacity), blocks, t.eviction, t.admission, where)
+    console.print(tiers)
+    p = cfg.placement
+    console.print(f"placement: {p.write_mode}, promote_on_hit={p.promote_on_hit} (to tier {p.promote_to}), "
+                  f"keep_lower_copy={p.keep_lower_copy}")
+    return 0
+
+
+def _redact_url(url: str) -> str:
+    """Hide a password in ``redis://user:password@host``."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
+    return url
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvtier.cache import TieredCache
+    from kvtier.demo import chat_workload, default_config, make_workdir, run_demo
+
+    workdir, temporary = make_workdir(args.dir)
+    try:
+        config: Any = args.config or default_config(workdir)
+        try:
+            cache = TieredCache.from_config(config)
+        except KVTierConfigError as exc:
+            console.print(f"[red]invalid config[/red]: {exc}")
+            return 2
+        with cache:
+            if not cache.spec.groups:
+                console.print("the model has no KV-cache groups: nothing to demo")
+                return 0
+            layout = cache.spec.groups[0].layout
+            prompts = chat_workload(args.conversations, args.turns, args.system_tokens, args.turn_tokens,
+                                    seed=args.seed)
+            console.print(f"kvtier demo: {len(prompts)} requests from {args.conversations} conversations, "
+                          f"{layout.describe()} = {_gib(layout.nbytes)} per block")
+            for t in cache.core.tiers:
+                console.print(f"  tier {t.name} ({t.kind}): {_gib(sum(t.capacity_bytes.values()))}"
+                              + (f" at {t.root}" if hasattr(t, "root") else ""))
+            with Progress(TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=console, transient=False, disable=args.quiet) as bar:
+                task = bar.add_task("requests", total=len(prompts))
+                result = run_demo(cache, prompts, progress=lambda: bar.advance(task))
+            stats = cache.stats()
+        table = Table(title="kvtier demo: what each tier did")
+        for col in ("tier", "hits", "stored", "evicted", "demoted", "promoted", "read", "written", "used", "errors"):
+            table.add_column(col, justify="left" if col == "tier" else "right")
+        for t in stats.tiers:
+            errors = sum(t.errors.values()) + t.corrupt_or_lost
+            table.add_row(f"{t.name} ({t.kind})", str(t.hits), str(t.stores), str(t.evictions),
+                          str(t.demotions_out), str(t.promotions_in),
+                          f"{_gib(t.bytes_read)} @ {t.read_gbps:.2f} GB/s",
+                          f"{_gib(t.bytes_written)} @ {t.write_gbps:.2f} GB/s",
+                          f"{t.usage_bytes / t.capacity_bytes:.0%}" if t.capacity_bytes else "-", str(errors))
+        misses = result.prompt_tokens // layout.block_size - result.blocks_loaded
+        table.add_row("miss (computed)", str(misses), *([""] * 8))
+        console.print(table)
+        ratio = result.hit_tokens / result.prompt_tokens if result.prompt_tokens else 0.0
+        console.print(f"{result.requests} requests in {result.seconds:.1f} s; prefix hits {ratio:.1%} of "
+                      f"{result.prompt_tokens:,} prompt tokens; {result.blocks_stored} blocks stored")
+        if result.mismatched_blocks:
+            console.print(f"[red]FAIL[/red]: {result.mismatched_blocks} of {result.blocks_verified} loaded "
+                          f"blocks differ from what was stored")
+            return 1
+        console.print(f"[green]bit-exact[/green]: all {result.blocks_verified} loaded blocks matched what was "
+                      f"stored, byte for byte")
+        return 0
+    finally:
+        if temporary:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache storage for LLM serving.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run a multi-turn chat workload through a two-tier cache and verify it")
+    demo.add_argument("--config", help="YAML config to run on (default: embedded CPU + file tiers)")
+    demo.add_argument("--dir", help="directory for the default file tier (default: a temporary one, removed)")
+    demo.add_argument("--conversations", type=int, default=16)
+    demo.add_argument("--turns", type=int, default=4)
+    demo.add_argument("--system-tokens", type=int, default=512)
+    demo.add_argument("--turn-tokens", type=int, default=128)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.set_defaults(func=cmd_demo)
+
+    check = sub.add_parser("check", help="validate a config and print the resolved tiers")
+    check.add_argument("config", help="YAML file")
+    check.set_defaults(func=cmd_check)
+
+    try:
+        from kvtier.cli_replay import add_replay_parser
+    except ImportError:
+        pass
+    else:
+        add_replay_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

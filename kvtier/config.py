@@ -1,0 +1,327 @@
+"""YAML → validated configuration → cache parts. Every error names the key path and the bad value.
+
+Validation happens entirely at load time (DESIGN.md §8.4): a config that loads builds; nothing
+half-starts. The README's "Configuration reference" documents every key defined here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvtier.blocks import KVCacheSpec, KVGroup, resolve_block_size_factor
+from kvtier.errors import KVTierConfigError, LayoutMismatch
+from kvtier.hashing import Namespace
+from kvtier.layout import BlockLayout, dtype_name, parse_dtype
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """``"8GiB"``, ``"512 MB"``, ``1048576`` → bytes. Raises ValueError with the accepted units."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like '8GiB' or a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    match = _SIZE.match(str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size like '8GiB', '512MB' or a number of bytes, got {value!r} "
+                         f"(units: B, KB, KiB, MB, MiB, GB, GiB, TB, TiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+Size = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _SizeMixin(_Strict):
+    @field_validator("capacity", mode="before", check_fields=False)
+    @classmethod
+    def _size(cls, value: Any) -> int:
+        return parse_size(value)
+
+
+class ModelConfig(_Strict):
+    """The model whose KV cache is stored; all of it goes into the namespace fingerprint."""
+
+    name: str = Field(min_length=1)
+    num_layers: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    dtype: str = "float16"
+    mla: bool = False
+    token_layout: Literal["NHD", "HND"] = "NHD"
+    tp_rank: int = Field(default=0, ge=0)
+    tp_size: int = Field(default=1, gt=0)
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, value: str) -> str:
+        try:
+            return dtype_name(parse_dtype(value))
+        except LayoutMismatch as exc:
+            raise ValueError(str(exc)) from None
+
+    @model_validator(mode="after")
+    def _rank(self) -> ModelConfig:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} must be smaller than tp_size {self.tp_size}")
+        return self
+
+
+class GroupConfig(_Strict):
+    """One KV-cache group. Shape keys default to the model's."""
+
+    block_size: int = Field(gt=0, description="GPU block size of the group, in tokens")
+    name: str = "full_attention"
+    num_layers: int | None = Field(default=None, gt=0)
+    num_kv_heads: int | None = Field(default=None, gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+
+
+class TierBase(_SizeMixin):
+    name: str | None = None
+    capacity: Size
+    eviction: str = "lru"
+    admission: Literal["always", "second_sighting"] = "always"
+
+    @field_validator("eviction")
+    @classmethod
+    def _eviction(cls, value: str) -> str:
+        from kvtier.policy import EVICTION_POLICIES
+
+        if value not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {value!r}; known: {sorted(EVICTION_POLICIES)}")
+        return value
+
+
+class CpuTierConfig(TierBase):
+    type: Literal["cpu"]
+    pinned: bool | Literal["auto"] = "auto"
+
+
+class FileTierConfig(TierBase):
+    type: Literal["file"]
+    path: str = Field(min_length=1)
+    compression: Literal["none", "lz4"] = "none"
+    direct_io: bool = True
+    io_threads: int = Field(default=4, gt=0, le=256)
+    fsync: bool = False
+
+
+class CircuitBreakerConfig(_Strict):
+    failures: int = Field(default=5, gt=0)
+    cooldown_seconds: float = Field(default=5.0, gt=0)
+
+
+class RedisTierConfig(_Strict):
+    """Redis evicts on its own (``maxmemory``), so this tier has no capacity or eviction keys."""
+
+    type: Literal["redis"]
+    name: str | None = None
+    url: str | None = None
+    cluster: bool = False
+    startup_nodes: list[str] | None = None
+    username: str | None = None
+    password: str | None = Field(default=None, repr=False)
+    tls_ca_file: str | None = None
+    ttl_seconds: int | None = Field(default=None, gt=0)
+    compression: Literal["none", "lz4"] = "none"
+    connect_timeout: float = Field(default=1.0, gt=0)
+    timeout: float = Field(default=2.0, gt=0)
+    max_connections: int = Field(default=16, gt=0)
+    circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
+    admission: Literal["always", "second_sighting"] = "always"
+
+    @model_validator(mode="after")
+    def _where(self) -> RedisTierConfig:
+        if self.cluster and not self.startup_nodes and not self.url:
+            raise ValueError("a cluster needs startup_nodes (a list of host:port) or a url")
+        if not self.cluster and self.startup_nodes:
+            raise ValueError("startup_nodes is given but cluster is false; set cluster: true")
+        if not self.cluster and not self.url:
+            raise ValueError("set url (redis://host:port/db) or cluster: true with startup_nodes")
+        return self
+
+
+TierConfig = Annotated[CpuTierConfig | FileTierConfig | RedisTierConfig, Field(discriminator="type")]
+
+
+class PlacementConfig(_Strict):
+    write_mode: Literal["write_back", "write_through"] = "write_back"
+    promote_on_hit: bool = True
+    promote_to: int = Field(default=0, ge=0)
+    keep_lower_copy: bool = True
+    admission_history: int = Field(default=65536, gt=0)
+
+
+class KVTierConfig(_Strict):
+    """The whole configuration file."""
+
+    model: ModelConfig
+    hash_block_size: int = Field(default=16, gt=0)
+    block_size: int | None = Field(default=None, gt=0)
+    groups: list[GroupConfig] | None = None
+    tiers: list[TierConfig] = Field(min_length=1)
+    placement: PlacementConfig = PlacementConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> KVTierConfig:
+        names = [tier_name(t, i) for i, t in enumerate(self.tiers)]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise ValueError(f"tier names must be unique; repeated: {sorted(dupes)} (set `name:` on each)")
+        if self.placement.promote_to >= len(self.tiers):
+            raise ValueError(f"placement.promote_to={self.placement.promote_to} but there are only "
+                             f"{len(self.tiers)} tiers (index 0 is the top)")
+        if self.model.mla and self.model.num_kv_heads != 1:
+            raise ValueError("model.mla is true, so model.num_kv_heads must be 1 (one latent vector per token)")
+        return self
+
+
+def tier_name(tier: CpuTierConfig | FileTierConfig | RedisTierConfig, index: int) -> str:
+    return tier.name or tier.type
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    parts: list[str] = []
+    previous: int | str | None = None
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif isinstance(previous, int) and item in ("cpu", "file", "redis"):
+            pass  # the discriminator tag pydantic inserts after a tier's index
+        elif item.startswith("function-") or item == "":
+            pass
+        else:
+            parts.append(("." if parts else "") + item)
+        previous = item
+    return "".join(parts) or "<root>"
+
+
+def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:
+    """Read and validate a config from a YAML file path, YAML text, or a mapping.
+
+    Raises :class:`KVTierConfigError` whose message starts with the key path (``tiers[1].capacity``).
+    """
+    if isinstance(source, Mapping):
+        data: Any = dict(source)
+    else:
+        text = str(source)
+        path = Path(text)
+        if "\n" not in text and (path.suffix in (".yaml", ".yml") or path.exists()):
+            try:
+                text = path.read_text()
+            except OSError as exc:
+                raise KVTierConfigError("", f"cannot read config file {path}: {exc.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise KVTierConfigError("", f"invalid YAML: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise KVTierConfigError("<root>", f"expected a mapping of config keys, got {type(data).__name__}")
+    try:
+        cfg = KVTierConfig.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = _format_loc(err["loc"])
+        value = err.get("input")
+        shown = "" if isinstance(value, Mapping) else f" (got {value!r})"
+        more = f" [and {len(exc.errors()) - 1} more errors]" if len(exc.errors()) > 1 else ""
+        raise KVTierConfigError(loc, f"{err['msg']}{shown}{more}") from None
+    build_spec(cfg)  # block-size rules are checked now, not at first store
+    return cfg
+
+
+def build_spec(cfg: KVTierConfig) -> KVCacheSpec:
+    """Groups and the offload factor, validated against vLLM's block-size rules."""
+    m = cfg.model
+    group_cfgs = cfg.groups if cfg.groups is not None else [GroupConfig(block_size=cfg.hash_block_size)]
+    factor = resolve_block_size_factor([g.block_size for g in group_cfgs], cfg.hash_block_size, cfg.block_size)
+    groups = []
+    for i, g in enumerate(group_cfgs):
+        layout = BlockLayout(num_layers=g.num_layers or m.num_layers, num_kv_heads=g.num_kv_heads or m.num_kv_heads,
+                             head_dim=g.head_dim or m.head_dim, block_size=g.block_size * factor,
+                             dtype=parse_dtype(m.dtype), kv_factor=1 if m.mla else 2, token_layout=m.token_layout)
+        groups.append(KVGroup(group_id=i, gpu_block_size=g.block_size, layout=layout, name=g.name))
+    return KVCacheSpec(hash_block_size=cfg.hash_block_size, groups=tuple(groups), block_size_factor=factor)
+
+
+def build_namespace(cfg: KVTierConfig, spec: KVCacheSpec) -> Namespace:
+    layout_fp = 0
+    for g in spec.groups:
+        layout_fp ^= g.layout.fingerprint() + g.group_id
+    return Namespace(model=cfg.model.name, dtype=cfg.model.dtype, layout_fingerprint=layout_fp,
+                     tp_rank=cfg.model.tp_rank, tp_size=cfg.model.tp_size)
+
+
+def split_capacity(capacity: int, spec: KVCacheSpec) -> dict[int, int]:
+    """Share a tier's bytes among groups so each group can hold the same number of blocks."""
+    if not spec.groups:
+        return {}
+    per_set = sum(g.layout.nbytes for g in spec.groups)
+    blocks = capacity // per_set
+    return {g.group_id: blocks * g.layout.nbytes for g in spec.groups}
+
+
+def build_cache_parts(cfg: KVTierConfig) -> tuple[Any, ...]:
+    """(spec, tiers, residency, namespace) for :class:`kvtier.cache.AsyncTieredCache`."""
+    from kvtier.policy.admission import make_admission_policy
+    from kvtier.policy.placement import PlacementPolicy
+    from kvtier.residency import Residency, TierIndex
+
+    spec = build_spec(cfg)
+    namespace = build_namespace(cfg, spec)
+    layouts = {g.group_id: g.layout for g in spec.groups}
+    tiers = []
+    indexes = []
+    admissions = []
+    for i, tc in enumerate(cfg.tiers):
+        name = tier_name(tc, i)
+        tier = _build_tier(tc, name, layouts, spec, namespace, f"tiers[{i}]")
+        tiers.append(tier)
+        block_bytes = {g: layout.nbytes for g, layout in layouts.items()}
+        indexes.append(TierIndex(name, tier.capacity_bytes, block_bytes,
+                                 getattr(tc, "eviction", "lru"), self_evicting=tier.self_evicting))
+        admissions.append(make_admission_policy(tc.admission, cfg.placement.admission_history))
+    p = cfg.placement
+    placement = PlacementPolicy(admission=admissions, write_mode=p.write_mode, promote_on_hit=p.promote_on_hit,
+                                promote_to=p.promote_to, keep_lower_copy=p.keep_lower_copy)
+    return spec, tiers, Residency(indexes, placement), namespace
+
+
+def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCacheSpec, namespace: Namespace,
+                path: str) -> Any:
+    if isinstance(tc, CpuTierConfig):
+        from kvtier.tiers.cpu import CpuTier
+
+        return CpuTier(name, layouts, split_capacity(tc.capacity, spec),
+                       pinned=None if tc.pinned == "auto" else tc.pinned)
+    if isinstance(tc, FileTierConfig):
+        from kvtier.tiers.file import FileTier
+
+        root = Path(os.path.expanduser(os.path.expandvars(tc.path)))
+        try:
+            return FileTier(name, layouts, split_capacity(tc.capacity, spec), root=root, namespace=namespace.id,
+                            compression=tc.compression, direct_io=tc.direct_io, io_threads=tc.io_threads,
+                            fsync=tc.fsync)
+        except OSError as exc:
+            raise KVTierConfigError(f"{path}.path", f"cannot use {str(root)!r}: {exc.strerror or exc}") from None
+    from kvtier.tiers.redis import RedisTier
+
+    kwargs = tc.model_dump(exclude={"type", "name", "admission"})
+    kwargs["circuit_breaker"] = tc.circuit_breaker.model_dump()
+    return RedisTier(name, layouts, {g: 0 for g in layouts}, namespace=namespace.id, **kwargs)
