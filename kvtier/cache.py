@@ -111,6 +111,7 @@ class AsyncTieredCache:
     async def lookup(self, keys: Sequence[BlockKey]) -> int:
         """Number of leading ``keys`` cached in some tier. Reads no block data; never raises for I/O."""
         await self.start()
+        self._check_keys(keys)
         found = await self._locate(keys)
         self._counts["lookups"] += 1
         self._counts["lookup_blocks"] += len(keys)
@@ -197,12 +198,7 @@ class AsyncTieredCache:
     # --- internals ------------------------------------------------------------------------------------
     def _byte_blocks(self, keys: Sequence[BlockKey], blocks: Blocks, what: str) -> list[torch.Tensor]:
         """Validate caller blocks against their groups' layouts; return 1-D uint8 views (no copies)."""
-        for key in keys:
-            if not isinstance(key, BlockKey):
-                raise TypeError(f"keys must be BlockKey, got {type(key).__name__}")
-            if key.group_id not in self.layouts:
-                raise LayoutMismatch(f"{key} names group {key.group_id}; the model's groups are "
-                                     f"{sorted(self.layouts)}")
+        self._check_keys(keys)
         if isinstance(blocks, torch.Tensor):
             if blocks.dim() == 0 or blocks.shape[0] != len(keys):
                 raise LayoutMismatch(f"{what} has shape {tuple(blocks.shape)}; expected {len(keys)} blocks "
@@ -222,6 +218,14 @@ class AsyncTieredCache:
             layout = self.layouts[key.group_id]
             out.append(layout.check_blocks(block.unsqueeze(0), f"{what}[{i}]")[0])
         return out
+
+    def _check_keys(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            if not isinstance(key, BlockKey):
+                raise TypeError(f"keys must be BlockKey, got {type(key).__name__}")
+            if key.group_id not in self.layouts:
+                raise LayoutMismatch(f"{key} names group {key.group_id}; the model's groups are "
+                                     f"{sorted(self.layouts)}")
 
     async def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
         """Tier of each leading cached key (top-most copy); asks self-evicting tiers for the rest."""

@@ -1,0 +1,211 @@
+"""TieredCache behaviour through the public API, over real CPU and file tiers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier import AsyncTieredCache, BlockKey, LayoutMismatch, TieredCache
+from kvtier.tiers.base import Tier
+
+from tests.helpers import make_keys, random_blocks, small_layout
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_store_lookup_load_round_trip(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(10), random_blocks(10, layout)
+    with TieredCache.from_config(two_tier_config) as cache:
+        assert cache.lookup(keys) == 0
+        assert cache.store(keys, blocks) == 10
+        assert cache.lookup(keys) == 10
+        out = torch.empty_like(blocks)
+        assert cache.load(keys, out) == 10
+        assert same(out, blocks)
+        stats = cache.stats()
+        assert stats.loaded_blocks == 10
+        assert sum(t.hits for t in stats.tiers) == 10
+
+
+def test_lookup_counts_only_the_leading_run(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    keys = make_keys(6)
+    with TieredCache.from_config(two_tier_config) as cache:
+        cache.store(keys[:2] + keys[3:], random_blocks(5, layout))
+        assert cache.lookup(keys) == 2
+        out = torch.empty((6, *layout.shape), dtype=layout.dtype)
+        assert cache.load(keys, out) == 2
+
+
+def test_eviction_demotes_to_the_file_tier_and_hits_are_promoted(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(12), random_blocks(12, layout, seed=1)
+    with TieredCache.from_config(two_tier_config) as cache:
+        for i in range(12):  # one at a time: the CPU tier (4 blocks) evicts the oldest each time
+            cache.store(keys[i:i + 1], blocks[i:i + 1])
+        cpu, disk = cache.stats().tiers
+        assert cpu.usage_bytes == 4 * layout.nbytes
+        assert cpu.evictions == 8 and cpu.demotions_out == 8 and disk.stores == 8
+        out = torch.empty((1, *layout.shape), dtype=layout.dtype)
+        assert cache.load(keys[:1], out) == 1 and same(out[0], blocks[0])
+        cpu, disk = cache.stats().tiers
+        assert disk.hits == 1 and cpu.promotions_in == 1
+        assert cache.core.residency.locate(keys[0]) == 0
+
+
+def test_capacity_is_never_exceeded_and_everything_stored_stays_exact(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(40), random_blocks(40, layout, seed=2)
+    with TieredCache.from_config(two_tier_config) as cache:
+        for start in range(0, 40, 5):
+            cache.store(keys[start:start + 5], blocks[start:start + 5])
+            for tier, index in zip(cache.core.tiers, cache.core.residency.tiers, strict=True):
+                assert index.usage() <= sum(tier.capacity_bytes.values())
+                assert tier.usage_bytes() == index.usage()
+        out = torch.empty((1, *layout.shape), dtype=layout.dtype)
+        for i, key in enumerate(keys):
+            if cache.load([key], out):
+                assert same(out[0], blocks[i])
+
+
+def test_pinned_blocks_survive_eviction_pressure(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    keys = make_keys(30)
+
+    async def scenario() -> None:
+        cache = AsyncTieredCache.from_config(two_tier_config)
+        async with cache:
+            await cache.store(keys[:4], random_blocks(4, layout))
+            cpu = cache.residency.tiers[0]
+            for key in keys[:4]:
+                cpu.pin(key)  # as an in-flight load does
+            await cache.store(keys[4:], random_blocks(26, layout, seed=3))
+            assert all(cpu.is_ready(k) for k in keys[:4])
+            assert all(not cpu.is_ready(k) for k in keys[4:])
+
+    asyncio.run(scenario())
+
+
+def test_write_through_writes_every_tier(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    two_tier_config["placement"] = {"write_mode": "write_through"}
+    with TieredCache.from_config(two_tier_config) as cache:
+        cache.store(make_keys(3), random_blocks(3, layout))
+        cpu, disk = cache.stats().tiers
+        assert cpu.stores == 3 and disk.stores == 3
+
+
+def test_exclusive_promotion_moves_the_block(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    two_tier_config["placement"] = {"keep_lower_copy": False}
+    keys, blocks = make_keys(6), random_blocks(6, layout)
+    with TieredCache.from_config(two_tier_config) as cache:
+        for i in range(6):
+            cache.store(keys[i:i + 1], blocks[i:i + 1])
+        out = torch.empty((1, *layout.shape), dtype=layout.dtype)
+        assert cache.load(keys[:1], out) == 1 and same(out[0], blocks[0])
+        file_index = cache.core.residency.tiers[1]
+        assert keys[0] not in file_index
+
+
+def test_file_tier_restart_keeps_a_warm_cache(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(8), random_blocks(8, layout, seed=4)
+    with TieredCache.from_config(two_tier_config) as cache:
+        for i in range(8):
+            cache.store(keys[i:i + 1], blocks[i:i + 1])
+    with TieredCache.from_config(two_tier_config) as cache:
+        assert cache.lookup(keys[:4]) == 4  # the first four were demoted to files
+        out = torch.empty((4, *layout.shape), dtype=layout.dtype)
+        assert cache.load(keys[:4], out) == 4 and same(out, blocks[:4])
+
+
+def test_bad_input_names_the_problem(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    with TieredCache.from_config(two_tier_config) as cache:
+        with pytest.raises(LayoutMismatch, match="shape"):
+            cache.store(make_keys(2), torch.zeros((2, 3, 4), dtype=layout.dtype))
+        with pytest.raises(LayoutMismatch, match="dtype"):
+            cache.store(make_keys(2), torch.zeros((2, *layout.shape), dtype=torch.float32))
+        with pytest.raises(LayoutMismatch, match="group 7"):
+            cache.store([BlockKey(b"k" * 16, 7)], random_blocks(1, layout))
+        with pytest.raises(LayoutMismatch, match="3 blocks|first dimension"):
+            cache.store(make_keys(2), random_blocks(3, layout))
+        with pytest.raises(TypeError, match="BlockKey"):
+            cache.lookup([b"not a key"])  # type: ignore[list-item]
+        assert cache.lookup(make_keys(2)) == 0  # nothing half-stored
+
+
+class BrokenTier(Tier):
+    """A tier whose every call raises: the cache must turn that into misses."""
+
+    kind = "broken"
+
+    async def put(self, keys, blocks):  # type: ignore[no-untyped-def]
+        raise OSError("device gone")
+
+    async def get(self, keys, out):  # type: ignore[no-untyped-def]
+        raise OSError("device gone")
+
+    async def contains(self, keys):  # type: ignore[no-untyped-def]
+        raise OSError("device gone")
+
+    async def delete(self, keys):  # type: ignore[no-untyped-def]
+        raise OSError("device gone")
+
+    def keys(self):  # type: ignore[no-untyped-def]
+        return iter(())
+
+    def usage_bytes(self) -> int:
+        return 0
+
+
+def test_a_failing_tier_is_a_miss_never_an_exception() -> None:
+    from kvtier.blocks import KVCacheSpec, KVGroup
+    from kvtier.policy.admission import AdmitAll
+    from kvtier.policy.placement import PlacementPolicy
+    from kvtier.residency import Residency, TierIndex
+
+    layout = small_layout()
+    spec = KVCacheSpec(16, (KVGroup(0, 16, layout),), 1)
+    tier = BrokenTier("broken", {0: layout}, {0: 8 * layout.nbytes})
+    residency = Residency([TierIndex("broken", tier.capacity_bytes, {0: layout.nbytes})],
+                          PlacementPolicy([AdmitAll()]))
+    with TieredCache(AsyncTieredCache(spec, [tier], residency)) as cache:
+        keys, blocks = make_keys(3), random_blocks(3, layout)
+        assert cache.store(keys, blocks) == 0
+        assert cache.lookup(keys) == 0
+        assert tier.counters.errors == {"OSError": 1}
+
+
+def test_submit_returns_futures(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(3), random_blocks(3, layout)
+    with TieredCache.from_config(two_tier_config) as cache:
+        assert cache.submit_store(keys, blocks).result(timeout=10) == 3
+        out = torch.empty_like(blocks)
+        assert cache.submit_load(keys, out).result(timeout=10) == 3 and same(out, blocks)
+
+
+def test_multiple_groups_with_their_own_block_sizes(tmp_path: Path) -> None:
+    cfg = {"model": {"name": "hybrid", "num_layers": 2, "num_kv_heads": 2, "head_dim": 32},
+           "hash_block_size": 16, "groups": [{"block_size": 16}, {"block_size": 32, "name": "sliding_window"}],
+           "tiers": [{"type": "cpu", "capacity": "1MiB"},
+                     {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]}
+    with TieredCache.from_config(cfg) as cache:
+        spec = cache.spec
+        hashes = [i.to_bytes(16, "little") for i in range(8)]
+        keys = spec.block_keys(hashes)
+        assert len(keys[0]) == 8 and len(keys[1]) == 4
+        for g in spec.groups:
+            blocks = random_blocks(len(keys[g.group_id]), g.layout, seed=g.group_id)
+            assert cache.store(keys[g.group_id], blocks) == len(blocks)
+            out = torch.empty_like(blocks)
+            assert cache.load(keys[g.group_id], out) == len(blocks) and same(out, blocks)

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.blocks import BlockKey
+from kvtier.codec import HEADER_SIZE, decode_block_into, decode_header, encode_block
+from kvtier.errors import CorruptBlock
+
+KEY = BlockKey(b"\xab" * 32, 2)
+LAYOUT = 0xDEADBEEF
+
+
+def value(raw: np.ndarray, **kw: object) -> bytes:
+    header, payload = encode_block(KEY, LAYOUT, raw, **kw)  # type: ignore[arg-type]
+    return bytes(header) + bytes(payload)
+
+
+def decode(buf: bytes, n: int, key: BlockKey = KEY, layout: int = LAYOUT) -> np.ndarray:
+    out = np.empty(n, dtype=np.uint8)
+    decode_block_into(buf, out, expected_key=key, expected_layout=layout, itemsize=2)
+    return out
+
+
+@given(data=st.binary(min_size=2, max_size=4096).filter(lambda b: len(b) % 2 == 0), compress=st.booleans())
+def test_round_trip_is_bit_exact(data: bytes, compress: bool) -> None:
+    raw = np.frombuffer(data, dtype=np.uint8)
+    assert decode(value(raw, compress=compress, shuffle_itemsize=2), raw.size).tobytes() == data
+
+
+def test_compressible_data_is_compressed_and_noise_is_stored_raw() -> None:
+    smooth = np.zeros(65536, dtype=np.float16)
+    smooth[::7] = 1.5
+    raw = smooth.view(np.uint8)
+    header, payload = encode_block(KEY, LAYOUT, raw, compress=True, shuffle_itemsize=2)
+    assert payload.nbytes < raw.size // 4
+    assert decode(bytes(header) + bytes(payload), raw.size).tobytes() == raw.tobytes()
+    noise = np.random.default_rng(0).integers(0, 256, 65536, dtype=np.uint8)
+    assert encode_block(KEY, LAYOUT, noise, compress=True)[1].nbytes == noise.size
+
+
+@settings(max_examples=60)
+@given(position=st.integers(0, HEADER_SIZE + 255), flip=st.integers(1, 255), compress=st.booleans())
+def test_any_flipped_byte_is_detected(position: int, flip: int, compress: bool) -> None:
+    raw = np.tile(np.arange(128, dtype=np.uint8), 2)
+    buf = bytearray(value(raw, compress=compress))
+    if position >= len(buf):
+        position %= len(buf)
+    buf[position] ^= flip
+    try:
+        out = decode(bytes(buf), raw.size)
+    except CorruptBlock:
+        return
+    # only the zero padding of the header (unused hash bytes) may change without effect on the data
+    assert out.tobytes() == raw.tobytes()
+
+
+def test_wrong_key_layout_or_length_is_a_corrupt_block() -> None:
+    raw = np.arange(256, dtype=np.uint8)
+    buf = value(raw)
+    with pytest.raises(CorruptBlock, match="expected"):
+        decode(buf, 256, key=BlockKey(b"\xab" * 32, 3))
+    with pytest.raises(CorruptBlock, match="layout fingerprint"):
+        decode(buf, 256, layout=1)
+    with pytest.raises(CorruptBlock, match="raw bytes"):
+        decode(buf, 128)
+    with pytest.raises(CorruptBlock, match="truncated|value of"):
+        decode(buf[: HEADER_SIZE - 1], 256)
+    with pytest.raises(CorruptBlock, match="value of"):
+        decode(buf[:-1], 256)
+
+
+def test_huge_claimed_length_is_rejected_before_allocation() -> None:
+    raw = np.arange(256, dtype=np.uint8)
+    header, _ = encode_block(KEY, LAYOUT, raw)
+    forged = bytearray(header)
+    forged[32:40] = (1 << 60).to_bytes(8, "little")  # payload_len
+    with pytest.raises(CorruptBlock):
+        decode_header(forged, expected_raw_len=256)

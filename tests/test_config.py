@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.config import build_spec, load_config, parse_size
+from kvtier.errors import KVTierConfigError
+
+from tests.helpers import SMALL_MODEL
+
+
+def base(tmp_path: Path) -> dict[str, Any]:
+    return {"model": dict(SMALL_MODEL),
+            "tiers": [{"type": "cpu", "capacity": "64MiB"},
+                      {"type": "file", "path": str(tmp_path), "capacity": "1GiB"}]}
+
+
+def error_for(cfg: Any) -> str:
+    with pytest.raises(KVTierConfigError) as info:
+        load_config(cfg)
+    return str(info.value)
+
+
+def test_sizes_parse_with_units() -> None:
+    assert parse_size("8GiB") == 8 << 30
+    assert parse_size("512 MB") == 512 * 10**6
+    assert parse_size(4096) == 4096
+    with pytest.raises(ValueError, match="units"):
+        parse_size("8 parsecs")
+
+
+def test_valid_config_loads_from_yaml_file(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(f"""
+model: {{name: m, num_layers: 32, num_kv_heads: 8, head_dim: 128, dtype: bf16}}
+hash_block_size: 16
+block_size: 64
+groups: [{{block_size: 16}}]
+tiers:
+  - {{type: cpu, capacity: 8GiB, eviction: lru}}
+  - {{type: file, path: {tmp_path}, capacity: 100GiB, compression: lz4}}
+placement: {{write_mode: write_through, promote_on_hit: false}}
+""")
+    cfg = load_config(path)
+    spec = build_spec(cfg)
+    assert spec.block_size_factor == 4
+    assert spec.groups[0].layout.block_size == 64
+    assert spec.groups[0].layout.nbytes == 32 * 2 * 64 * 8 * 128 * 2
+    assert cfg.tiers[0].capacity == 8 << 30
+
+
+@pytest.mark.parametrize(("mutate", "expected"), [
+    (lambda c: c["tiers"][1].update(capacity="lots"), "tiers[1].capacity"),
+    (lambda c: c["tiers"][0].update(eviction="random"), "tiers[0].eviction"),
+    (lambda c: c["tiers"][1].update(compresion="lz4"), "tiers[1].compresion"),
+    (lambda c: c["model"].update(num_layers=0), "model.num_layers"),
+    (lambda c: c["model"].update(dtype="float64"), "model.dtype"),
+    (lambda c: c["tiers"].append({"type": "tape", "capacity": 1}), "tiers[2]"),
+    (lambda c: c["tiers"].append({"type": "redis"}), "tiers[2]"),
+    (lambda c: c.update(placement={"promote_to": 5}), "promote_to"),
+    (lambda c: c.update(groups=[{"block_size": 16}, {"block_size": 32}], block_size=64), "block_size"),
+    (lambda c: c.update(groups=[{"block_size": 24}]), "groups[0].block_size"),
+    (lambda c: c.pop("model"), "model"),
+])
+def test_errors_name_the_key_path(tmp_path: Path, mutate: Any, expected: str) -> None:
+    cfg = base(tmp_path)
+    mutate(cfg)
+    assert expected in error_for(cfg)
+
+
+def test_bad_value_is_shown(tmp_path: Path) -> None:
+    cfg = base(tmp_path)
+    cfg["tiers"][0]["capacity"] = "12 bananas"
+    message = error_for(cfg)
+    assert message.startswith("tiers[0].capacity:") and "12 bananas" in message
+
+
+def test_unreadable_file_and_bad_yaml(tmp_path: Path) -> None:
+    assert "cannot read" in error_for(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    assert "invalid YAML" in error_for(bad)
+    assert "<root>" in error_for("- just\n- a list\n")
