@@ -1,0 +1,59 @@
+"""CpuTier: slab slots, zero-copy views, batched copies, per-group capacity."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvtier.errors import LayoutMismatch
+from kvtier.tiers.buffers import PAGE
+from kvtier.tiers.cpu import CpuTier
+from tests.helpers import make_keys, random_blocks, small_layout
+
+
+def rows(blocks: torch.Tensor) -> list[torch.Tensor]:
+    return list(blocks.view(torch.uint8).reshape(blocks.shape[0], -1))
+
+
+def test_put_get_round_trip_batched_and_single() -> None:
+    layout = small_layout()
+    tier = CpuTier("cpu", {0: layout}, {0: 8 * layout.nbytes}, pinned=False)
+    keys, blocks = make_keys(5), random_blocks(5, layout)
+    assert asyncio.run(tier.put(keys, rows(blocks))) == [True] * 5
+    out = torch.empty_like(blocks)
+    assert asyncio.run(tier.get(keys[::-1], rows(out)[::-1])) == [True] * 5
+    assert torch.equal(out.view(torch.uint8), blocks.view(torch.uint8))
+    assert asyncio.run(tier.contains(make_keys(6))) == [True] * 5 + [False]
+    assert tier.usage_bytes() == 5 * layout.nbytes
+
+
+def test_slots_are_page_aligned_views_and_full_slab_refuses() -> None:
+    layout = small_layout()
+    tier = CpuTier("cpu", {0: layout}, {0: 2 * layout.nbytes + 100}, pinned=False)
+    assert tier.slots(0) == 2
+    keys, blocks = make_keys(3), random_blocks(3, layout)
+    assert asyncio.run(tier.put(keys, rows(blocks))) == [True, True, False]
+    view = tier.views(keys[:1])[0]
+    assert view.data_ptr() % PAGE == 0 or layout.nbytes % PAGE
+    assert torch.equal(view, rows(blocks)[0])
+    asyncio.run(tier.delete(keys[:1]))
+    assert asyncio.run(tier.put(keys[2:], rows(blocks)[2:])) == [True]
+
+
+def test_groups_have_separate_slabs() -> None:
+    a, b = small_layout(16), small_layout(32)
+    tier = CpuTier("cpu", {0: a, 1: b}, {0: a.nbytes, 1: b.nbytes}, pinned=False)
+    ka, kb = make_keys(1, 0), make_keys(1, 1)
+    assert asyncio.run(tier.put(ka + kb, rows(random_blocks(1, a)) + rows(random_blocks(1, b)))) == [True, True]
+    assert sorted(k.group_id for k in tier.keys()) == [0, 1]
+
+
+def test_wrong_buffer_is_named() -> None:
+    layout = small_layout()
+    tier = CpuTier("cpu", {0: layout}, {0: layout.nbytes}, pinned=False)
+    with pytest.raises(LayoutMismatch, match=r"blocks\[0\].*16384 bytes"):
+        asyncio.run(tier.put(make_keys(1), [torch.zeros(10, dtype=torch.uint8)]))
+    with pytest.raises(LayoutMismatch, match="group 3"):
+        asyncio.run(tier.put(make_keys(1, 3), [torch.zeros(layout.nbytes, dtype=torch.uint8)]))
