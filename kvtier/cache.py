@@ -31,7 +31,6 @@ from kvtier.errors import LayoutMismatch
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats, TierActivity, TierStats
 from kvtier.policy import InsertHint
-from kvtier.policy.placement import PlacementPolicy
 from kvtier.residency import Plan, Residency, TierIndex
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import aligned_empty
@@ -240,10 +239,10 @@ class AsyncTieredCache:
                     if hit:
                         where[i] = t
         found: list[int] = []
-        for t in where:
-            if t is None:
+        for located in where:
+            if located is None:
                 break
-            found.append(t)
+            found.append(located)
         return found
 
     async def _promote(self, keys: Sequence[BlockKey], where: Sequence[int], buffers: list[torch.Tensor]) -> None:

@@ -100,9 +100,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                     seed=args.seed)
             console.print(f"kvtier demo: {len(prompts)} requests from {args.conversations} conversations, "
                           f"{layout.describe()} = {_gib(layout.nbytes)} per block")
-            for t in cache.core.tiers:
-                console.print(f"  tier {t.name} ({t.kind}): {_gib(sum(t.capacity_bytes.values()))}"
-                              + (f" at {t.root}" if hasattr(t, "root") else ""))
+            for tier in cache.core.tiers:
+                console.print(f"  tier {tier.name} ({tier.kind}): {_gib(sum(tier.capacity_bytes.values()))}"
+                              + (f" at {tier.root}" if hasattr(tier, "root") else ""))
             with Progress(TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=console, transient=False, disable=args.quiet) as bar:
                 task = bar.add_task("requests", total=len(prompts))

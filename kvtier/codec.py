@@ -82,7 +82,7 @@ def encode_block(key: BlockKey, layout_fp: int, raw: memoryview | np.ndarray, *,
 
     Two buffers instead of one so writers can ``writev``/pipeline them without concatenating 2 MiB.
     """
-    raw_view = memoryview(raw).cast("B")
+    raw_view = memoryview(raw).cast("B")  # type: ignore[arg-type]
     raw_len = raw_view.nbytes
     flags = 0
     payload: memoryview = raw_view
@@ -135,7 +135,7 @@ def lz4_bound(raw_len: int) -> int:
 def verify_payload(header_buf: bytes | bytearray | memoryview, header: BlockHeader,
                    payload: bytes | bytearray | memoryview | np.ndarray) -> None:
     """Check the checksum over header and stored payload; raise :class:`CorruptBlock` on mismatch."""
-    pview = memoryview(payload).cast("B")
+    pview = memoryview(payload).cast("B")  # type: ignore[arg-type]
     if pview.nbytes != header.payload_len:
         raise CorruptBlock(f"payload has {pview.nbytes} bytes, header says {header.payload_len}")
     zeroed = bytearray(memoryview(header_buf).cast("B")[:HEADER_SIZE])

@@ -73,7 +73,7 @@ def test_usage_never_exceeds_capacity(ops: list[tuple[int, bool]]) -> None:
             for key, dst in moves:
                 r.finish_demotion(t, dst, key, not fail)
         for t, idx in enumerate(plan.writes):
-            for i in idx:
+            if idx:
                 r.finish_write(t, keys[k], not fail)
         for index in r.tiers:
             assert index.usage() <= index.capacity[0]

@@ -100,7 +100,7 @@ class Tier(ABC):
         """Zero-copy views of resident blocks (only for :attr:`addressable` tiers)."""
         raise NotImplementedError(f"tier {self.name!r} ({self.kind}) has no addressable memory")
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, memory tiers hold nothing to release
         """Release resources; further calls are undefined."""
 
     # --- helpers for implementations ----------------------------------------------------------------
