@@ -52,6 +52,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` → ``"float16"`` (the spelling configs and headers use)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -101,7 +102,12 @@ class BlockLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
+
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer's K and V inside a block."""
+        return self.nbytes // self.num_layers
 
     @property
     def numel(self) -> int:
@@ -160,6 +166,17 @@ class PerLayerLayout:
 
     kind: PerLayerKind
     token_layout: TokenLayout = "NHD"
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", PerLayerKind(self.kind))
+        except ValueError:
+            raise LayoutMismatch(f"unknown per-layer kind {self.kind!r}; use one of "
+                                 f"{[k.value for k in PerLayerKind]}") from None
+        if self.token_layout not in ("NHD", "HND"):
+            raise LayoutMismatch(f"PerLayerLayout.token_layout must be 'NHD' or 'HND', got {self.token_layout!r}")
+        if self.kind is PerLayerKind.MLA:
+            object.__setattr__(self, "token_layout", "NHD")  # one head: NHD and HND are the same bytes
 
     def layer_shape(self, num_blocks: int, block: BlockLayout) -> tuple[int, ...]:
         """Shape of one layer's tensor holding ``num_blocks`` engine blocks of ``block``'s geometry."""
