@@ -1,0 +1,292 @@
+"""GPU tier (a slab of device memory per group) and the engine's own KV cache as a transfer endpoint.
+
+:class:`GpuTier` is the top tier: ``capacity_bytes[g] // block_bytes`` fixed-size slots per group on
+one CUDA device, handed out as zero-copy views like the CPU tier's. :class:`EngineKV` wraps the
+engine's paged KV cache (cross-layer base tensor or per-layer tensors, as
+:func:`kvtier.detect.detect_kv_layout` finds it) so blocks addressed by *engine block ids* move to
+and from tier slots on a dedicated CUDA stream: a store first waits for the compute stream's writes,
+a load gives the engine an event to wait on, and nothing blocks the engine's stream. Each transfer
+goes through a kernel (:mod:`kvtier.kernels.cuda`, one launch for many blocks) or the copy engine
+(one ``cudaMemcpyAsync`` per contiguous block or piece), chosen by piece size against a crossover.
+
+Not here: deciding what to move or evict (the cache and policies do), checksums (bytes stay in
+process memory). Without CUDA or CuPy, constructing either class raises
+:class:`~kvtier.errors.TierUnavailable` with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from kvtier.blocks import BlockKey
+from kvtier.detect import DetectedKVLayout, detect_kv_layout
+from kvtier.errors import LayoutMismatch, TierUnavailable
+from kvtier.kernels import cuda
+from kvtier.layout import BlockLayout, PerLayerKind, PerLayerLayout
+from kvtier.tiers.base import Tier
+
+#: ``kernel``: one launch of the CUDA kernels; ``copy_engine``: one cudaMemcpyAsync per contiguous piece.
+TransferMethod = Literal["auto", "kernel", "copy_engine"]
+#: Pieces below this size go through the kernel, larger ones through the copy engine. PCIe Gen5 copies
+#: under ~28 KiB crawl at 4–7 GB/s while ≥ 64 KiB ones reach ~50 GB/s (vLLM PR #42212); to be replaced
+#: by the crossover ``benchmarks/bench_gpu.py`` measures on the H200.
+DEFAULT_CROSSOVER_BYTES = 64 * 1024
+_CUDA_MEMCPY_DEFAULT = 4
+
+
+def _require_device(device: torch.device | str | int | None) -> torch.device:
+    if not torch.cuda.is_available():
+        raise TierUnavailable("CUDA is unavailable: torch.cuda.is_available() is False, so the GPU tier cannot "
+                              "run; configure a cpu tier as the top tier instead")
+    resolved = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device) \
+        if not isinstance(device, int) else torch.device("cuda", device)
+    if resolved.type != "cuda" or (resolved.index or 0) >= torch.cuda.device_count():
+        raise TierUnavailable(f"device {device!r} is not one of the {torch.cuda.device_count()} CUDA devices")
+    return resolved if resolved.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+@dataclass
+class TransferHandle:
+    """An enqueued transfer: poll :meth:`done`, block in :meth:`wait`, or make a stream wait for it.
+
+    Keeps the tensors the transfer reads or writes alive until it completes.
+    """
+
+    event: torch.cuda.Event
+    device: torch.device
+    num_blocks: int
+    num_bytes: int
+    method: str
+    keepalive: list[Any] = field(default_factory=list, repr=False)
+
+    def done(self) -> bool:
+        """True once every byte has landed (never blocks)."""
+        finished = self.event.query()
+        if finished:
+            self.keepalive.clear()
+        return finished
+
+    def wait(self) -> None:
+        """Block the calling thread until the transfer completed."""
+        self.event.synchronize()
+        self.keepalive.clear()
+
+    async def wait_async(self, poll_seconds: float = 50e-6) -> None:
+        """Wait without blocking the event loop."""
+        while not self.done():
+            await asyncio.sleep(poll_seconds)
+
+    def stream_wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current one, e.g. the engine's) wait for the transfer, host not blocked."""
+        self.event.wait(stream if stream is not None else torch.cuda.current_stream(self.device))
+
+
+class EngineKV:
+    """The engine's paged KV cache as the source of stores and the sink of loads, by engine block id.
+
+    ``kv_caches`` are the engine's per-layer tensors (layer order = iteration order; vLLM hands a
+    name → tensor mapping). Cross-layer caches move whole blocks (``copy_blocks``); per-layer ones
+    are packed into / unpacked from cross-layer blocks. ``method`` forces ``kernel`` or
+    ``copy_engine``; ``auto`` picks per transfer from ``crossover_bytes`` (the size of the
+    contiguous pieces: a whole block when cross-layer, one layer's K or V of a block otherwise).
+    Tier slots are 1-D uint8 views of ``block.nbytes`` (:meth:`Tier.views` of a GPU tier or of a
+    pinned CPU tier).
+    """
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], *, block_size: int,
+                 num_kv_heads: int, head_dim: int, hint: PerLayerKind | PerLayerLayout | None = None,
+                 method: TransferMethod = "auto", crossover_bytes: int = DEFAULT_CROSSOVER_BYTES) -> None:
+        cuda.require_cuda()
+        if method not in ("auto", "kernel", "copy_engine"):
+            raise LayoutMismatch(f"method must be 'auto', 'kernel' or 'copy_engine', got {method!r}")
+        self.detected: DetectedKVLayout = detect_kv_layout(kv_caches, block_size=block_size,
+                                                           num_kv_heads=num_kv_heads, head_dim=head_dim, hint=hint)
+        self.layers = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
+        self.device = self.layers[0].device
+        if self.device.type != "cuda":
+            raise LayoutMismatch(f"the engine KV cache must be on a CUDA device, got {self.device}")
+        self.method = method
+        self.crossover_bytes = crossover_bytes
+        self.stream = torch.cuda.Stream(self.device)
+        if self.detected.cross_layer:
+            self.piece_bytes = self.block.nbytes
+        else:
+            assert self.detected.per_layer is not None
+            self.geometry = cuda.piece_geometry(self.layers, self.detected.per_layer, self.block)
+            self.piece_bytes = self.geometry.piece_bytes
+
+    @property
+    def block(self) -> BlockLayout:
+        return self.detected.block
+
+    def choose(self) -> str:
+        """``kernel`` or ``copy_engine`` for this cache (piece size against the crossover, unless forced)."""
+        if self.method != "auto":
+            return self.method
+        dense = self.detected.cross_layer or self.geometry.rows == 1
+        return "kernel" if self.piece_bytes < self.crossover_bytes or not dense else "copy_engine"
+
+    def store(self, block_ids: Sequence[int] | torch.Tensor, slots: Sequence[torch.Tensor]) -> TransferHandle:
+        """Copy engine blocks ``block_ids[i]`` into ``slots[i]``, after the compute stream's pending writes.
+
+        Called by the worker when the scheduler asks to offload; returns at once. The engine may
+        overwrite those blocks only after the handle is done.
+        """
+        return self._transfer(block_ids, slots, to_engine=False)
+
+    def load(self, slots: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor) -> TransferHandle:
+        """Copy ``slots[i]`` into engine blocks ``block_ids[i]`` (no repeats); the engine waits on the handle."""
+        return self._transfer(block_ids, slots, to_engine=True)
+
+    def _transfer(self, block_ids: Sequence[int] | torch.Tensor, slots: Sequence[torch.Tensor], *,
+                  to_engine: bool) -> TransferHandle:
+        ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1)
+        if ids.numel() != len(slots):
+            raise LayoutMismatch(f"{ids.numel()} engine block ids but {len(slots)} slots")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.detected.num_blocks):
+            raise LayoutMismatch(f"engine block ids must lie in [0, {self.detected.num_blocks}), got "
+                                 f"{ids[(ids < 0) | (ids >= self.detected.num_blocks)][:8].tolist()}")
+        method = self.choose()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        keepalive: list[Any] = [ids, list(slots)]
+        if method == "kernel":
+            self._kernel(ids, slots, to_engine)
+        else:
+            self._copy_engine(ids, slots, to_engine)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return TransferHandle(event, self.device, ids.numel(), ids.numel() * self.block.nbytes, method, keepalive)
+
+    def _kernel(self, ids: torch.Tensor, slots: Sequence[torch.Tensor], to_engine: bool) -> None:
+        if self.detected.cross_layer:
+            base = self.detected.base
+            assert base is not None
+            if to_engine:
+                cuda.copy_blocks(slots, None, base, ids, stream=self.stream)
+            else:
+                cuda.copy_blocks(base, ids, slots, None, stream=self.stream)
+            return
+        assert self.detected.per_layer is not None
+        if to_engine:
+            cuda.unpack_blocks(slots, self.layers, ids, self.detected.per_layer, self.block, stream=self.stream)
+        else:
+            cuda.pack_blocks(self.layers, ids, self.detected.per_layer, self.block, slots, stream=self.stream)
+
+    def _copy_engine(self, ids: torch.Tensor, slots: Sequence[torch.Tensor], to_engine: bool) -> None:
+        """One ``cudaMemcpyAsync`` per contiguous block (cross-layer) or per piece (per-layer)."""
+        cupy = cuda.require_cuda()
+        memcpy = cupy.cuda.runtime.memcpyAsync
+        handle = self.stream.cuda_stream
+        if self.detected.cross_layer:
+            base = self.detected.base
+            assert base is not None
+            stride = base.stride(0) * base.element_size()
+            size = self.block.nbytes
+            engine = [base.data_ptr() + int(b) * stride for b in ids.tolist()]
+            cross = [slot.data_ptr() for slot in slots]
+        else:
+            g = self.geometry
+            if g.rows != 1:
+                raise LayoutMismatch("the copy engine moves contiguous pieces only; this per-layer cache needs "
+                                     "a token-layout transpose, so use method='kernel'")
+            size = g.piece_bytes
+            engine, cross = [], []
+            for b, slot in zip(ids.tolist(), slots, strict=True):
+                for layer_index, layer in enumerate(self.layers):
+                    for kv in range(g.kv_factor):
+                        engine.append(layer.data_ptr() + b * g.engine_block_stride + kv * g.engine_kv_stride)
+                        cross.append(slot.data_ptr() + (layer_index * g.kv_factor + kv) * size)
+        with cupy.cuda.Device(self.device.index):
+            for engine_address, cross_address in zip(engine, cross, strict=True):
+                dst, src = (engine_address, cross_address) if to_engine else (cross_address, engine_address)
+                memcpy(dst, src, size, _CUDA_MEMCPY_DEFAULT, handle)
+
+
+class GpuTier(Tier):
+    """Device memory on one CUDA device, ``capacity_bytes[g] // block_bytes`` slots per group."""
+
+    kind: ClassVar[str] = "gpu"
+    addressable: ClassVar[bool] = True
+
+    def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int], *,
+                 device: torch.device | str | int | None = None) -> None:
+        self.device = _require_device(device)
+        super().__init__(name, layouts, capacity_bytes)
+        self.stream = torch.cuda.Stream(self.device)
+        self._slabs = {g: torch.empty((self.capacity_bytes.get(g, 0) // layout.nbytes, layout.nbytes),
+                                      dtype=torch.uint8, device=self.device) for g, layout in self.layouts.items()}
+        self._free = {g: list(range(slab.shape[0] - 1, -1, -1)) for g, slab in self._slabs.items()}
+        self._slot_of: dict[int, dict[BlockKey, int]] = {g: {} for g in self._slabs}
+
+    def slots(self, group_id: int) -> int:
+        return self._slabs[group_id].shape[0]
+
+    async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy blocks (device or host memory) into slots; False when the group's slab is full."""
+        self.check_buffers(keys, blocks, "blocks")
+        ok = [False] * len(keys)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, key in enumerate(keys):
+            slot = self._slot_of[key.group_id].get(key)
+            if slot is None:
+                if not self._free[key.group_id]:
+                    continue
+                slot = self._free[key.group_id].pop()
+                self._slot_of[key.group_id][key] = slot
+            pairs.append((self._slabs[key.group_id][slot], blocks[i]))
+            ok[i] = True
+            self.counters.blocks_written += 1
+            self.counters.bytes_written += blocks[i].numel()
+        await self._copy(pairs)
+        return ok
+
+    async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy resident blocks into ``out`` (device or host memory); a key without a slot is a miss."""
+        self.check_buffers(keys, out, "out")
+        ok = [False] * len(keys)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, key in enumerate(keys):
+            slot = self._slot_of.get(key.group_id, {}).get(key)
+            if slot is not None:
+                pairs.append((out[i], self._slabs[key.group_id][slot]))
+                ok[i] = True
+                self.counters.blocks_read += 1
+                self.counters.bytes_read += out[i].numel()
+        await self._copy(pairs)
+        return ok
+
+    async def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not pairs:
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        await TransferHandle(event, self.device, len(pairs), 0, "copy_engine", [pairs]).wait_async()
+
+    async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return [key in self._slot_of.get(key.group_id, {}) for key in keys]
+
+    async def delete(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            slot = self._slot_of.get(key.group_id, {}).pop(key, None)
+            if slot is not None:
+                self._free[key.group_id].append(slot)
+
+    def keys(self) -> Iterator[BlockKey]:
+        for slots in self._slot_of.values():
+            yield from list(slots)
+
+    def usage_bytes(self) -> int:
+        return sum(len(slots) * self._slabs[g].shape[1] for g, slots in self._slot_of.items())
+
+    def views(self, keys: Sequence[BlockKey]) -> list[torch.Tensor]:
+        """Zero-copy device slot views; valid until the key is deleted (the cache pins it meanwhile)."""
+        return [self._slabs[key.group_id][self._slot_of[key.group_id][key]] for key in keys]
