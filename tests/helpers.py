@@ -6,6 +6,7 @@ import torch
 
 from kvtier.blocks import BlockKey
 from kvtier.layout import BlockLayout
+
 SMALL_MODEL = {"name": "tiny-llama", "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16"}
 
 

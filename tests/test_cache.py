@@ -11,7 +11,6 @@ import torch
 
 from kvtier import AsyncTieredCache, BlockKey, LayoutMismatch, TieredCache
 from kvtier.tiers.base import Tier
-
 from tests.helpers import make_keys, random_blocks, small_layout
 
 

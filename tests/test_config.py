@@ -7,7 +7,6 @@ import pytest
 
 from kvtier.config import build_spec, load_config, parse_size
 from kvtier.errors import KVTierConfigError
-
 from tests.helpers import SMALL_MODEL
 
 

@@ -1,0 +1,411 @@
+"""FileTier against real files under pytest's tmp_path: round trips, restarts, damage and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import stat
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.blocks import BlockKey
+from kvtier.errors import LayoutMismatch
+from kvtier.layout import BlockLayout
+from kvtier.tiers.buffers import aligned_empty
+from kvtier.tiers.file import PAGE, FileTier
+
+#: Group 0: 64 KiB blocks (a page multiple); group 1: 1 KiB blocks (padded on disk); group 2: bf16.
+LAYOUTS = {
+    0: BlockLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=64),
+    1: BlockLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=4),
+    2: BlockLayout(num_layers=2, num_kv_heads=1, head_dim=128, block_size=16, dtype=torch.bfloat16),
+}
+CAPACITY = {g: 1 << 30 for g in LAYOUTS}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def make_tier(root: Path, namespace: str = "ns", **kwargs) -> FileTier:
+    return FileTier("disk", LAYOUTS, CAPACITY, root=root, namespace=namespace, **kwargs)
+
+
+def key(i: int, group: int = 0) -> BlockKey:
+    return BlockKey(i.to_bytes(4, "big") * 4, group)
+
+
+def random_block(group: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (LAYOUTS[group].nbytes,), dtype=torch.uint8, generator=gen)
+
+
+def kv_like_block(group: int, seed: int) -> torch.Tensor:
+    """Compressible bytes shaped like KV values: small fp16/bf16 numbers with few distinct values."""
+    layout = LAYOUTS[group]
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(-4, 5, (layout.numel,), generator=gen).to(layout.dtype) / 8
+    return values.view(torch.uint8).clone()
+
+
+def get_one(tier: FileTier, k: BlockKey) -> tuple[bool, torch.Tensor]:
+    out = torch.empty(LAYOUTS[k.group_id].nbytes, dtype=torch.uint8)
+    ok = run(tier.get([k], [out]))
+    return ok[0], out
+
+
+def files_under(root: Path) -> set[str]:
+    return {p.name for p in root.rglob("*") if p.is_file()}
+
+
+def keys_on_disk(tier: FileTier) -> set[BlockKey]:
+    found = set()
+    for path in tier.directory.rglob("*.kvb"):
+        found.add(BlockKey(bytes.fromhex(path.stem), int(path.parent.parent.name[1:])))
+    return found
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+@pytest.mark.parametrize("direct_reads", [False, True])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_round_trip_is_bit_exact(tmp_path: Path, compression: str, direct_reads: bool, aligned: bool) -> None:
+    tier = make_tier(tmp_path, compression=compression, direct_reads=direct_reads)
+    keys = [key(i, g) for g in LAYOUTS for i in range(3)]
+    make = kv_like_block if compression == "lz4" else random_block
+    blocks = [make(k.group_id, n) for n, k in enumerate(keys)]
+    if aligned:
+        blocks = [aligned_empty(b.numel()).copy_(b) for b in blocks]
+    assert run(tier.put(keys, blocks)) == [True] * len(keys)
+    out = [aligned_empty(b.numel()) if aligned else torch.empty_like(b) for b in blocks]
+    assert run(tier.get(keys, out)) == [True] * len(keys)
+    for block, got in zip(blocks, out, strict=True):
+        assert torch.equal(block, got)
+    assert run(tier.contains(keys + [key(99)])) == [True] * len(keys) + [False]
+    assert set(tier.keys()) == set(keys)
+    assert tier.usage_bytes() == sum(3 * layout.nbytes for layout in LAYOUTS.values())
+    assert tier.counters.blocks_written == tier.counters.blocks_read == len(keys)
+    assert tier.counters.errors == {}
+    for k in keys:
+        size = tier.path_of(k).stat().st_size
+        assert size % PAGE == 0
+        raw_size = PAGE + -(-LAYOUTS[k.group_id].nbytes // PAGE) * PAGE
+        if compression == "none" or raw_size == 2 * PAGE:  # a one-page payload cannot shrink on disk
+            assert size == raw_size
+        else:
+            assert size < raw_size
+    run(tier.close())
+
+
+def test_overwrite_replaces_block_and_duplicates_keep_last(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path)
+    k = key(1)
+    assert run(tier.put([k], [random_block(0, 1)])) == [True]
+    assert run(tier.put([k, k], [random_block(0, 2), random_block(0, 3)])) == [True, True]
+    ok, out = get_one(tier, k)
+    assert ok and torch.equal(out, random_block(0, 3))
+    assert tier.usage_bytes() == LAYOUTS[0].nbytes
+    assert len(files_under(tmp_path)) == 1
+    run(tier.close())
+
+
+def test_io_runs_in_parallel_on_the_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier(tmp_path, io_threads=4)
+    barrier = threading.Barrier(4, timeout=10)
+    threads: set[str] = set()
+    real_pwritev = os.pwritev
+
+    def pwritev(fd, buffers, offset):
+        threads.add(threading.current_thread().name)
+        barrier.wait()  # only passes when four writes are in flight at once
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    keys = [key(i) for i in range(4)]
+    assert run(tier.put(keys, [random_block(0, i) for i in range(4)])) == [True] * 4
+    assert len(threads) == 4 and all(name.startswith("kvtier-file-disk") for name in threads)
+    run(tier.close())
+
+
+def test_restart_keeps_blocks_and_rebuilds_index(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path, compression="lz4")
+    keys = [key(i, g) for g in LAYOUTS for i in range(4)]
+    blocks = [kv_like_block(k.group_id, n) for n, k in enumerate(keys)]
+    assert all(run(tier.put(keys, blocks)))
+    run(tier.close())
+
+    again = make_tier(tmp_path)  # a restart may change compression: files say what they hold
+    assert set(again.keys()) == set(keys)
+    assert again.usage_bytes() == tier.usage_bytes()
+    out = [torch.empty_like(b) for b in blocks]
+    assert run(again.get(keys, out)) == [True] * len(keys)
+    assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+    run(again.close())
+
+
+def test_start_removes_tmp_and_invalid_files_and_leaves_foreign_groups(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    tier = make_tier(tmp_path)
+    good, other = key(1), key(2)
+    assert all(run(tier.put([good, other], [random_block(0, 1), random_block(0, 2)])))
+    run(tier.close())
+    shard = tier.path_of(good).parent
+    (shard / f".{good.block_hash.hex()}.123.abcd.tmp").write_bytes(b"half a block")
+    (tier.directory / ".probe.1.abcd.tmp").write_bytes(b"")
+    (shard / "not-hex.kvb").write_bytes(bytes(2 * PAGE))
+    (shard / f"{'ab' * 16}.kvb").write_bytes(bytes(2 * PAGE))  # its shard should be "ab"
+    tier.path_of(key(3)).write_bytes(bytes(3 * PAGE))  # right name, zero header
+    wrong_key = tier.path_of(key(4))
+    wrong_key.parent.mkdir(exist_ok=True)
+    wrong_key.write_bytes(tier.path_of(other).read_bytes())  # a valid block filed under another name
+    foreign = tier.directory / "g7" / "00"
+    foreign.mkdir(parents=True)
+    (foreign / "00.kvb").write_bytes(b"x")
+
+    with caplog.at_level(logging.INFO, logger="kvtier.tiers.file"):
+        again = make_tier(tmp_path)
+    assert set(again.keys()) == {good, other}
+    assert files_under(tier.directory / "g0") == {tier.path_of(good).name, tier.path_of(other).name}
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert (foreign / "00.kvb").exists()
+    assert "g7" in caplog.text and "4 invalid and 2 temporary files removed" in caplog.text
+    run(again.close())
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["payload", "header_hash", "magic", "truncate_payload", "truncate_header"])
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_damaged_file_is_a_miss_and_is_removed(tmp_path: Path, damage: str, compression: str) -> None:
+    tier = make_tier(tmp_path, compression=compression)
+    k = key(5)
+    assert run(tier.put([k], [kv_like_block(0, 5)])) == [True]
+    path = tier.path_of(k)
+    if damage == "payload":
+        flip_byte(path, PAGE + 100)
+    elif damage == "header_hash":
+        flip_byte(path, 50)  # the stored block hash follows the 48 fixed header bytes
+    elif damage == "magic":
+        flip_byte(path, 0)
+    elif damage == "truncate_payload":
+        os.truncate(path, PAGE + 1000)
+    else:
+        os.truncate(path, 100)
+    ok, _ = get_one(tier, k)
+    assert not ok
+    assert not path.exists()
+    assert run(tier.contains([k])) == [False]
+    assert tier.usage_bytes() == 0
+    assert tier.counters.errors == {"corrupt": 1}
+    run(tier.close())
+
+
+def test_file_deleted_under_the_tier_is_a_miss(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path)
+    k = key(6)
+    assert all(run(tier.put([k], [random_block(0, 6)])))
+    tier.path_of(k).unlink()
+    assert get_one(tier, k)[0] is False
+    assert list(tier.keys()) == []
+    assert tier.counters.errors == {"missing": 1}
+    run(tier.delete([k]))  # absent keys are ignored
+    run(tier.close())
+
+
+def test_enospc_on_store_is_false_leaves_nothing_and_recovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier(tmp_path)
+    old = key(7)
+    assert all(run(tier.put([old], [random_block(0, 70)])))
+    real_pwritev = os.pwritev
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    new = key(8)
+    assert run(tier.put([old, new], [random_block(0, 71), random_block(0, 8)])) == [False, False]
+    assert files_under(tmp_path) == set()  # no temp file, and the old version of `old` is gone too
+    assert list(tier.keys()) == [] and tier.usage_bytes() == 0
+    assert tier.counters.errors == {"enospc": 2}
+
+    def broken(fd, buffers, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "pwritev", broken)
+    assert run(tier.put([new], [random_block(0, 8)])) == [False]
+    assert tier.counters.errors == {"enospc": 2, "io": 1}
+
+    monkeypatch.setattr(os, "pwritev", real_pwritev)
+    assert run(tier.put([new], [random_block(0, 8)])) == [True]
+    ok, out = get_one(tier, new)
+    assert ok and torch.equal(out, random_block(0, 8))
+    run(tier.close())
+
+
+def test_eio_on_read_is_a_miss_and_keeps_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier(tmp_path)
+    k = key(9)
+    assert all(run(tier.put([k], [random_block(0, 9)])))
+    real_preadv = os.preadv
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", failing)
+    assert get_one(tier, k)[0] is False
+    assert tier.counters.errors == {"io": 1}
+    assert tier.path_of(k).exists() and run(tier.contains([k])) == [True]
+    monkeypatch.setattr(os, "preadv", real_preadv)
+    ok, out = get_one(tier, k)
+    assert ok and torch.equal(out, random_block(0, 9))
+    run(tier.close())
+
+
+def test_wrong_buffers_raise_layout_mismatch(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path)
+    k = key(10)
+    with pytest.raises(LayoutMismatch):
+        run(tier.put([k], [torch.empty(LAYOUTS[0].nbytes - 1, dtype=torch.uint8)]))
+    with pytest.raises(LayoutMismatch):
+        run(tier.get([k], [torch.empty(LAYOUTS[0].nbytes // 2, dtype=torch.float16)]))
+    with pytest.raises(LayoutMismatch):
+        run(tier.put([key(1, group=5)], [torch.empty(8, dtype=torch.uint8)]))
+    with pytest.raises(LayoutMismatch):
+        run(tier.put([k, key(11)], [random_block(0, 1)]))
+    assert files_under(tmp_path) == set()
+    run(tier.close())
+
+
+def test_namespaces_do_not_see_each_other(tmp_path: Path) -> None:
+    a, b = make_tier(tmp_path, "model-a"), make_tier(tmp_path, "model-b")
+    k = key(12)
+    assert all(run(a.put([k], [random_block(0, 1)])))
+    assert all(run(b.put([key(13)], [random_block(0, 2)])))
+    assert run(b.contains([k])) == [False] and get_one(b, k)[0] is False
+    assert set(a.keys()) == {k} and set(b.keys()) == {key(13)}
+    assert set(make_tier(tmp_path, "model-b").keys()) == {key(13)}
+    run(a.close())
+    run(b.close())
+
+
+def test_permissions_are_private(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path)
+    k = key(14)
+    assert all(run(tier.put([k], [random_block(0, 14)])))
+    path = tier.path_of(k)
+    for directory in (tier.directory, path.parent.parent, path.parent):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    run(tier.close())
+
+
+@pytest.mark.parametrize("refused_by", ["open", "pwritev"])
+def test_o_direct_einval_falls_back_to_buffered_io(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture, refused_by: str) -> None:
+    real_open, real_pwritev = os.open, os.pwritev
+
+    def open_no_direct(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def pwritev_no_direct(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwritev(fd, buffers, offset)
+
+    if refused_by == "open":
+        monkeypatch.setattr(os, "open", open_no_direct)
+    else:
+        monkeypatch.setattr(os, "pwritev", pwritev_no_direct)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
+        tier = make_tier(tmp_path, direct_reads=True)
+        keys = [key(i, 1) for i in range(3)]
+        blocks = [random_block(1, i) for i in range(3)]
+        assert run(tier.put(keys, blocks)) == [True] * 3
+    assert not tier.direct_io_active
+    assert caplog.text.count("O_DIRECT is not supported") == 1
+    out = [torch.empty_like(b) for b in blocks]
+    assert run(tier.get(keys, out)) == [True] * 3
+    assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+    run(tier.close())
+
+
+def test_direct_io_can_be_switched_off(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path, direct_io=False)
+    assert not tier.direct_io_active
+    assert all(run(tier.put([key(1, 1)], [random_block(1, 1)])))
+    assert tier.path_of(key(1, 1)).stat().st_size == 2 * PAGE
+    assert get_one(tier, key(1, 1))[0]
+    run(tier.close())
+
+
+def test_over_capacity_is_stored_and_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tier = FileTier("disk", LAYOUTS, {0: LAYOUTS[0].nbytes}, root=tmp_path, namespace="ns")
+    with caplog.at_level(logging.DEBUG, logger="kvtier.tiers.file"):
+        assert run(tier.put([key(1), key(2)], [random_block(0, 1), random_block(0, 2)])) == [True, True]
+    assert tier.usage_bytes() == 2 * LAYOUTS[0].nbytes
+    assert "over its capacity" in caplog.text
+    run(tier.delete([key(1), key(1), key(2)]))
+    assert tier.usage_bytes() == 0 and files_under(tmp_path) == set()
+    run(tier.close())
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["put", "put_fail", "delete", "restart"]),
+                         st.lists(st.integers(0, 5), min_size=1, max_size=4)), max_size=12)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_index_always_matches_files_on_disk(ops: list[tuple[str, list[int]]], monkeypatch: pytest.MonkeyPatch) -> None:
+    real_pwritev = os.pwritev
+    fail = {"on": False}
+
+    def pwritev(fd, buffers, offset):
+        if fail["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    with tempfile.TemporaryDirectory() as root:
+        tier = make_tier(Path(root), io_threads=2)
+        model: dict[BlockKey, int] = {}
+        for step, (op, ids) in enumerate(ops):
+            keys = [key(i, i % 2) for i in ids]
+            if op in ("put", "put_fail"):
+                fail["on"] = op == "put_fail"
+                seeds = [step * 10 + n for n in range(len(keys))]
+                ok = run(tier.put(keys, [random_block(k.group_id, s) for k, s in zip(keys, seeds, strict=True)]))
+                fail["on"] = False
+                assert all(ok) == (op == "put")
+                for k, s in zip(keys, seeds, strict=True):
+                    if op == "put":
+                        model[k] = s
+                    else:
+                        model.pop(k, None)
+            elif op == "delete":
+                run(tier.delete(keys))
+                for k in keys:
+                    model.pop(k, None)
+            else:
+                run(tier.close())
+                tier = make_tier(Path(root), io_threads=2)
+            assert set(tier.keys()) == keys_on_disk(tier) == set(model)
+            assert tier.usage_bytes() == sum(LAYOUTS[k.group_id].nbytes for k in model)
+            assert not list(Path(root).rglob("*.tmp"))
+        for k, seed in model.items():
+            ok, out = get_one(tier, k)
+            assert ok and torch.equal(out, random_block(k.group_id, seed))
+        run(tier.close())
