@@ -113,6 +113,13 @@ class CpuTierConfig(TierBase):
     pinned: bool | Literal["auto"] = "auto"
 
 
+class GpuTierConfig(TierBase):
+    """Device memory on one CUDA device (needs CUDA and CuPy when the cache is built)."""
+
+    type: Literal["gpu"]
+    device: int = Field(default=0, ge=0)
+
+
 class FileTierConfig(TierBase):
     type: Literal["file"]
     path: str = Field(min_length=1)
@@ -157,7 +164,7 @@ class RedisTierConfig(_Strict):
         return self
 
 
-TierConfig = Annotated[CpuTierConfig | FileTierConfig | RedisTierConfig, Field(discriminator="type")]
+TierConfig = Annotated[GpuTierConfig | CpuTierConfig | FileTierConfig | RedisTierConfig, Field(discriminator="type")]
 
 
 class PlacementConfig(_Strict):
@@ -192,7 +199,7 @@ class KVTierConfig(_Strict):
         return self
 
 
-def tier_name(tier: CpuTierConfig | FileTierConfig | RedisTierConfig, index: int) -> str:
+def tier_name(tier: GpuTierConfig | CpuTierConfig | FileTierConfig | RedisTierConfig, index: int) -> str:
     return tier.name or tier.type
 
 
@@ -202,7 +209,7 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     for item in loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif isinstance(previous, int) and item in ("cpu", "file", "redis"):
+        elif isinstance(previous, int) and item in ("gpu", "cpu", "file", "redis"):
             pass  # the discriminator tag pydantic inserts after a tier's index
         elif item.startswith("function-") or item == "":
             pass
@@ -305,6 +312,14 @@ def build_cache_parts(cfg: KVTierConfig) -> tuple[Any, ...]:
 
 def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCacheSpec, namespace: Namespace,
                 path: str) -> Any:
+    if isinstance(tc, GpuTierConfig):
+        from kvtier.errors import TierUnavailable
+        from kvtier.tiers.gpu import GpuTier
+
+        try:
+            return GpuTier(name, layouts, split_capacity(tc.capacity, spec), device=tc.device)
+        except TierUnavailable as exc:
+            raise KVTierConfigError(path, f"a gpu tier cannot start here: {exc}") from None
     if isinstance(tc, CpuTierConfig):
         from kvtier.tiers.cpu import CpuTier
 

@@ -82,3 +82,14 @@ def test_unreadable_file_and_bad_yaml(tmp_path: Path) -> None:
     bad.write_text("model: [unclosed")
     assert "invalid YAML" in error_for(bad)
     assert "<root>" in error_for("- just\n- a list\n")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA message")
+def test_gpu_tier_without_cuda_names_the_tier(tmp_path: Path) -> None:
+    from kvtier import TieredCache
+
+    cfg = base(tmp_path)
+    cfg["tiers"].insert(0, {"type": "gpu", "capacity": "1GiB", "device": 0})
+    load_config(cfg)  # the schema is valid anywhere
+    with pytest.raises(KVTierConfigError, match=r"tiers\[0\].*CUDA is unavailable"):
+        TieredCache.from_config(cfg)

@@ -171,6 +171,13 @@ def _copy_rows(buffers: list[torch.Tensor], slab: torch.Tensor, slots: list[int]
     """
     if not buffers:
         return
+    if any(buf.device.type != "cpu" for buf in buffers):  # device blocks (GPU tier demotions): torch copies
+        for buf, slot in zip(buffers, slots, strict=True):
+            if into_slab:
+                slab[slot].copy_(buf)
+            else:
+                buf.copy_(slab[slot])
+        return
     slab_np = slab.numpy()
     if into_slab:
         rows = as_rows(buffers)
