@@ -509,7 +509,7 @@ class FileTier(Tier):
         skipped_groups: list[str] = []
         with os.scandir(self.directory) as groups:
             for group_entry in groups:
-                if group_entry.name.endswith(TMP_SUFFIX) and group_entry.is_file(follow_symlinks=False):
+                if _stale_tmp(group_entry):
                     os.unlink(group_entry.path)
                     removed_tmp += 1
                     continue
@@ -540,9 +540,12 @@ class FileTier(Tier):
         invalid = removed_tmp = 0
         with os.scandir(shard_path) as entries:
             for entry in entries:
-                if entry.name.endswith(TMP_SUFFIX):
-                    os.unlink(entry.path)
+                if _stale_tmp(entry):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
                     removed_tmp += 1
+                elif entry.name.endswith(TMP_SUFFIX):
+                    continue  # another live process is writing it
                 elif entry.name.endswith(BLOCK_SUFFIX):
                     key = self._parse_block_name(group_id, shard_name, entry.name)
                     info = entry.stat(follow_symlinks=False)
@@ -615,3 +618,26 @@ class FileTier(Tier):
             if capacity is not None and used > capacity:
                 log.debug("file tier %r: group %d holds %d bytes, over its capacity of %d (the cache evicts)",
                           self.name, gid, used, capacity)
+
+
+def _stale_tmp(entry: os.DirEntry[str]) -> bool:
+    """A temp file left by a dead writer (or by an earlier life of this pid): safe to delete.
+
+    Temp names are ``.<hash>.<pid>.<random>.tmp``; a live process's temp file is its write in flight.
+    """
+    if not entry.name.endswith(TMP_SUFFIX) or not entry.is_file(follow_symlinks=False):
+        return False
+    parts = entry.name.split(".")
+    try:
+        pid = int(parts[-3])
+    except (IndexError, ValueError):
+        return True
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

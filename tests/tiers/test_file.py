@@ -8,6 +8,8 @@ import fcntl
 import logging
 import os
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -158,8 +160,13 @@ def test_start_removes_tmp_and_invalid_files_and_leaves_foreign_groups(tmp_path:
     assert all(run(tier.put([good, other], [random_block(0, 1), random_block(0, 2)])))
     run(tier.close())
     shard = tier.path_of(good).parent
-    (shard / f".{good.block_hash.hex()}.123.abcd.tmp").write_bytes(b"half a block")
-    (tier.directory / ".probe.1.abcd.tmp").write_bytes(b"")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    (shard / f".{good.block_hash.hex()}.{dead_pid}.abcd.tmp").write_bytes(b"half a block")
+    (tier.directory / f".probe.{dead_pid}.abcd.tmp").write_bytes(b"")
+    live = shard / f".{other.block_hash.hex()}.{os.getppid()}.beef.tmp"  # another process's write in flight
+    live.write_bytes(b"in flight")
     (shard / "not-hex.kvb").write_bytes(bytes(2 * PAGE))
     (shard / f"{'ab' * 16}.kvb").write_bytes(bytes(2 * PAGE))  # its shard should be "ab"
     tier.path_of(key(3)).write_bytes(bytes(3 * PAGE))  # right name, zero header
@@ -173,8 +180,8 @@ def test_start_removes_tmp_and_invalid_files_and_leaves_foreign_groups(tmp_path:
     with caplog.at_level(logging.INFO, logger="kvtier.tiers.file"):
         again = make_tier(tmp_path)
     assert set(again.keys()) == {good, other}
-    assert files_under(tier.directory / "g0") == {tier.path_of(good).name, tier.path_of(other).name}
-    assert not list(tmp_path.rglob("*.tmp"))
+    assert files_under(tier.directory / "g0") == {tier.path_of(good).name, tier.path_of(other).name, live.name}
+    assert list(tmp_path.rglob("*.tmp")) == [live]
     assert (foreign / "00.kvb").exists()
     assert "g7" in caplog.text and "4 invalid and 2 temporary files removed" in caplog.text
     run(again.close())
