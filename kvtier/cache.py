@@ -258,10 +258,16 @@ class AsyncTieredCache:
             done = await self._execute(plan, sub_keys, [buffers[i] for i in todo])
             self._activity[target].promotions_in += len(done)
             if not placement.keep_lower_copy:
+                moved: dict[int, list[BlockKey]] = {}
                 for j in done:
-                    src = where[todo[j]]
-                    if not self.tiers[src].self_evicting and self.residency.tiers[src].discard(sub_keys[j]):
-                        await self._safe_delete(src, [sub_keys[j]])
+                    src, key = where[todo[j]], sub_keys[j]
+                    index = self.residency.tiers[src]
+                    if self.tiers[src].self_evicting or key in index.pins:
+                        continue  # another load is reading that copy: it stays (inclusive for now)
+                    if index.discard(key):
+                        moved.setdefault(src, []).append(key)
+                for src, gone in moved.items():
+                    await self._safe_delete(src, gone)
 
     async def _execute(self, plan: Plan, keys: Sequence[BlockKey], buffers: list[torch.Tensor]) -> list[int]:
         """Run a plan bottom-up (demote, drop), then the writes; return caller indexes now stored."""
