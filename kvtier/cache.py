@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -34,6 +34,9 @@ from kvtier.policy import InsertHint
 from kvtier.residency import Plan, Residency, TierIndex
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import aligned_empty
+
+if TYPE_CHECKING:
+    from kvtier.prometheus import MetricsServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,6 +62,8 @@ class AsyncTieredCache:
         self._counts = dict(lookups=0, lookup_blocks=0, lookup_hit_blocks=0, loads=0, load_blocks=0,
                             loaded_blocks=0, stored_blocks=0)
         self._started = False
+        #: (address, port) of the Prometheus endpoint the blocking face should serve, if any
+        self.metrics_endpoint: tuple[str, int] | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> AsyncTieredCache:
@@ -67,7 +72,10 @@ class AsyncTieredCache:
 
         cfg = config if hasattr(config, "tiers") and not isinstance(config, dict) else load_config(config)
         spec, tiers, residency, namespace = build_cache_parts(cfg)
-        return cls(spec, tiers, residency, namespace)
+        core = cls(spec, tiers, residency, namespace)
+        if cfg.metrics.port is not None:
+            core.metrics_endpoint = (cfg.metrics.address, cfg.metrics.port)
+        return core
 
     # --- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -191,7 +199,8 @@ class AsyncTieredCache:
                 bytes_read=c.bytes_read, bytes_written=c.bytes_written, read_seconds=c.read_seconds,
                 write_seconds=c.write_seconds,
                 usage_bytes=(tier.usage_bytes() if tier.self_evicting else self.residency.tiers[t].usage()),
-                capacity_bytes=sum(tier.capacity_bytes.values()), errors=dict(c.errors)))
+                capacity_bytes=sum(tier.capacity_bytes.values()), errors=dict(c.errors),
+                latency={op: h.copy() for op, h in a.latency.items()}))
         return CacheStats(tiers=tuple(tiers), **self._counts)
 
     # --- internals ------------------------------------------------------------------------------------
@@ -332,6 +341,7 @@ class AsyncTieredCache:
             log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
             return [False] * len(keys)
         elapsed = time.perf_counter() - start
+        self._activity[t].observe(op, elapsed)
         if op == "get":
             tier.counters.read_seconds += elapsed
         elif op == "put":
@@ -340,8 +350,10 @@ class AsyncTieredCache:
 
     async def _safe_delete(self, t: int, keys: list[BlockKey]) -> None:
         tier = self.tiers[t]
+        start = time.perf_counter()
         try:
             await tier.delete(keys)
+            self._activity[t].observe("delete", time.perf_counter() - start)
         except Exception as exc:
             tier.counters.error(type(exc).__name__)
             log.warning("tier %s: delete of %d blocks failed: %r", tier.name, len(keys), exc)
@@ -362,6 +374,13 @@ class TieredCache:
         self._thread.start()
         self._closed = False
         self._call(core.start())
+        self.metrics_server: MetricsServer | None = None
+        if core.metrics_endpoint is not None:
+            from kvtier.prometheus import MetricsServer
+
+            address, port = core.metrics_endpoint
+            namespace = core.namespace.id if core.namespace else ""
+            self.metrics_server = MetricsServer(self.stats, port, address, namespace)
 
     @classmethod
     def from_config(cls, config: str | Path | dict[str, Any] | Any) -> TieredCache:
@@ -402,6 +421,8 @@ class TieredCache:
     def close(self) -> None:
         if self._closed:
             return
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         try:
             self._call(self.core.close())
         finally:

@@ -1,4 +1,4 @@
-"""The ``kvtier`` command: ``demo``, ``check`` and ``replay``.
+"""The ``kvtier`` command: ``demo``, ``check``, ``stats`` and ``replay``.
 
 Thin: parses arguments, calls the library, prints with rich. Exit codes: 0 ok, 1 the job failed
 (e.g. a verification mismatch), 2 bad usage or config.
@@ -7,10 +7,13 @@ Thin: parses arguments, calls the library, prints with rich. Exit codes: 0 ok, 1
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import shutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -136,6 +139,76 @@ def cmd_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    """Per-tier figures of a running process (its metrics endpoint) or of a file-tier directory."""
+    rows = _stats_from_url(args.url) if args.url else _stats_from_dir(Path(args.dir))
+    if rows is None:
+        return 1
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        console.print("nothing found")
+        return 0
+    table = Table(*rows[0].keys())
+    for row in rows:
+        table.add_row(*(f"{v:,}" if isinstance(v, int) else str(v) for v in row.values()))
+    console.print(table)
+    return 0
+
+
+def _stats_from_url(url: str) -> list[dict[str, Any]] | None:
+    from urllib.error import URLError
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    except (URLError, OSError) as exc:
+        console.print(f"[red]cannot read {url}[/red]: {exc}")
+        return None
+    per_tier: dict[str, dict[str, Any]] = {}
+    wanted = {"kvtier_tier_hits": "hits", "kvtier_tier_stores": "stores", "kvtier_tier_evictions": "evictions",
+              "kvtier_tier_demotions_out": "demoted", "kvtier_tier_promotions_in": "promoted",
+              "kvtier_tier_bytes_read": "bytes read", "kvtier_tier_bytes_written": "bytes written",
+              "kvtier_tier_usage_bytes": "used bytes", "kvtier_tier_capacity_bytes": "capacity bytes",
+              "kvtier_tier_errors": "errors"}
+    for family in text_string_to_metric_families(text):
+        column = wanted.get(family.name)
+        if column is None:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            row = per_tier.setdefault(sample.labels["tier"], {"tier": sample.labels["tier"],
+                                                              "kind": sample.labels["kind"]})
+            row[column] = row.get(column, 0) + int(sample.value)
+    return list(per_tier.values())
+
+
+def _stats_from_dir(root: Path) -> list[dict[str, Any]] | None:
+    """Blocks and bytes per namespace and group under a file tier's ``path`` (read-only walk)."""
+    if not root.is_dir():
+        console.print(f"[red]not a directory[/red]: {root}")
+        return None
+    rows = []
+    for ns in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()):
+        for group in sorted(p for p in ns.iterdir() if p.is_dir() and p.name.startswith("g")):
+            blocks = size = 0
+            for shard in group.iterdir():
+                if not shard.is_dir():
+                    continue
+                with os.scandir(shard) as entries:
+                    for entry in entries:
+                        if entry.name.endswith(".kvb") and entry.is_file(follow_symlinks=False):
+                            blocks += 1
+                            size += entry.stat(follow_symlinks=False).st_size
+            rows.append({"namespace": ns.name, "group": group.name[1:], "blocks": blocks, "bytes on disk": size})
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache storage for LLM serving.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -155,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a config and print the resolved tiers")
     check.add_argument("config", help="YAML file")
     check.set_defaults(func=cmd_check)
+
+    stats = sub.add_parser("stats", help="per-tier figures of a running process or a file-tier directory")
+    where = stats.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a process's metrics endpoint (config `metrics.port`), e.g. "
+                                     "http://127.0.0.1:9400/metrics")
+    where.add_argument("--dir", help="a file tier's `path`")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats.set_defaults(func=cmd_stats)
 
     try:
         from kvtier.cli_replay import add_replay_parser

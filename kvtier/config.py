@@ -175,6 +175,13 @@ class PlacementConfig(_Strict):
     admission_history: int = Field(default=65536, gt=0)
 
 
+class MetricsConfig(_Strict):
+    """Optional Prometheus endpoint (``http://address:port/metrics``); off unless ``port`` is set."""
+
+    port: int | None = Field(default=None, ge=0, le=65535)
+    address: str = "127.0.0.1"
+
+
 class KVTierConfig(_Strict):
     """The whole configuration file."""
 
@@ -184,6 +191,7 @@ class KVTierConfig(_Strict):
     groups: list[GroupConfig] | None = None
     tiers: list[TierConfig] = Field(min_length=1)
     placement: PlacementConfig = PlacementConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> KVTierConfig:

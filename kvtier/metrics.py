@@ -6,7 +6,29 @@ Tiers count their own I/O (:class:`kvtier.tiers.base.TierCounters`); the cache c
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field
+
+#: Upper bounds (seconds) of the latency histogram buckets: 50 µs … 10 s, roughly ×2.5 apart.
+LATENCY_BUCKETS: tuple[float, ...] = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                                      0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class LatencyHistogram:
+    """Fixed-bucket histogram of one batched operation's latency (cumulative-free counts)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total_seconds: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.total_seconds += seconds
+        self.count += 1
+
+    def copy(self) -> LatencyHistogram:
+        return LatencyHistogram(list(self.counts), self.total_seconds, self.count)
 
 
 @dataclass
@@ -20,6 +42,14 @@ class TierActivity:
     demotions_out: int = 0
     promotions_in: int = 0
     corrupt_or_lost: int = 0
+    #: latency of each batched tier call by op (``get``, ``put``, ``contains``, ``delete``)
+    latency: dict[str, LatencyHistogram] = field(default_factory=dict)
+
+    def observe(self, op: str, seconds: float) -> None:
+        hist = self.latency.get(op)
+        if hist is None:
+            hist = self.latency[op] = LatencyHistogram()
+        hist.observe(seconds)
 
 
 @dataclass(frozen=True)
@@ -42,6 +72,7 @@ class TierStats:
     usage_bytes: int
     capacity_bytes: int
     errors: dict[str, int] = field(default_factory=dict)
+    latency: dict[str, LatencyHistogram] = field(default_factory=dict)
 
     @property
     def read_gbps(self) -> float:
