@@ -88,7 +88,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}:{self.port}/metrics"
+        return f"http://{self.address!s}:{self.port}/metrics"
 
     def close(self) -> None:
         self._server.shutdown()

@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 
 from kvtier.blocks import BlockKey
+from kvtier.policy.tinylfu import CountMinSketch, key_hash
 
 
 class AdmissionPolicy(ABC):
@@ -53,9 +54,39 @@ class SecondSighting(AdmissionPolicy):
         return False
 
 
+class TinyLFUAdmission(AdmissionPolicy):
+    """Admit a block once a count-min sketch has seen it ``min_count`` times within its horizon.
+
+    The TinyLFU filter as a tier's doorkeeper: like :class:`SecondSighting` but in a fixed
+    ``2 × 4 × history`` bytes instead of a key per entry, and with history that fades (counters
+    halve every ``history`` offers) instead of being cut off. Estimates never run low, so a block
+    offered ``min_count`` times is always admitted; a hash collision may admit one sooner.
+    """
+
+    name = "tinylfu"
+
+    def __init__(self, history: int = 65536, min_count: int = 2) -> None:
+        if history <= 0:
+            raise ValueError(f"history must be positive, got {history}")
+        if not 1 <= min_count <= 15:
+            raise ValueError(f"min_count must be in 1..15, got {min_count}")
+        self.history = history
+        self.min_count = min_count
+        self._sketch = CountMinSketch(history)
+
+    def admit(self, key: BlockKey) -> bool:
+        return self._sketch.increment(key_hash(key)) >= self.min_count
+
+
+#: Admission policies by config name.
+ADMISSION_POLICIES = ("always", "second_sighting", "tinylfu")
+
+
 def make_admission_policy(name: str, history: int = 65536) -> AdmissionPolicy:
     if name == "always":
         return AdmitAll()
     if name == "second_sighting":
         return SecondSighting(history)
-    raise KeyError(f"unknown admission policy {name!r}; known: ['always', 'second_sighting']")
+    if name == "tinylfu":
+        return TinyLFUAdmission(history)
+    raise KeyError(f"unknown admission policy {name!r}; known: {list(ADMISSION_POLICIES)}")
