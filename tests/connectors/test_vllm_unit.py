@@ -1,0 +1,412 @@
+"""The vLLM adapter's kvtier-side logic, without vLLM: keys, config merge, page moves, manager and worker.
+
+A small harness plays vLLM's part (scheduler calls, worker calls, per-layer KV pages), so these run in
+the main suite. ``test_vllm_e2e.py`` runs the same adapter inside a real vLLM engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.blocks import BlockKey
+from kvtier.connectors.vllm import (
+    LOST,
+    STAGED,
+    EngineGeometry,
+    EngineGroup,
+    KeyCodec,
+    KVTierOffloadManager,
+    KVTierOffloadWorkerCore,
+    Lookup,
+    OffloadRuntime,
+    PageMover,
+    UnsupportedVLLM,
+    check_vllm_version,
+    kvtier_config_for_engine,
+)
+from kvtier.errors import KVTierConfigError, LayoutMismatch
+
+HEADS, DIM = 2, 32
+
+
+def redis_up() -> bool:
+    try:
+        import redis
+
+        return bool(redis.Redis(host="127.0.0.1", port=6379, socket_connect_timeout=0.5).ping())
+    except Exception:
+        return False
+
+
+@dataclass
+class GpuSpec:
+    """Stands in for vLLM's GPULoadStoreSpec."""
+
+    block_ids: np.ndarray
+    group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
+
+
+def geometry(groups: tuple[tuple[int, int, int], ...] = ((0, 32, 2),), bpc: int = 1, **kw: Any) -> EngineGeometry:
+    tokens_per_hash = min(tpb for _, tpb, _ in groups)
+    return EngineGeometry(model_name="tiny-llama", dtype="bfloat16", tokens_per_hash=tokens_per_hash,
+                          blocks_per_chunk=bpc, groups=tuple(EngineGroup(*g) for g in groups),
+                          kv_cache_layout="LBHNC", num_kv_heads=HEADS, head_dim=DIM, mla=False, **kw)
+
+
+class Harness:
+    """A fake engine: per-layer KV pages, and vLLM's scheduler/worker call sequence around the adapter."""
+
+    def __init__(self, tiers: list[dict[str, Any]], *, groups: tuple[tuple[int, int, int], ...] = ((0, 32, 2),),
+                 bpc: int = 1, num_blocks: int = 32, staging_bytes: int = 1 << 24,
+                 placement: dict[str, Any] | None = None, seed: int = 0) -> None:
+        self.geometry = geometry(groups, bpc)
+        source: dict[str, Any] = {"tiers": tiers}
+        if placement:
+            source["placement"] = placement
+        config = kvtier_config_for_engine(source, self.geometry)
+        self.runtime = OffloadRuntime(config, KeyCodec([g[0] for g in groups]), staging_bytes)
+        gen = torch.Generator().manual_seed(seed)
+        self.pages: list[list[torch.Tensor]] = []
+        movers = []
+        for g, (_, tpb, layers) in enumerate(groups):
+            page = 2 * tpb * HEADS * DIM * 2
+            group_pages = [torch.randint(-128, 127, (num_blocks, page), dtype=torch.int8, generator=gen)
+                           for _ in range(layers)]
+            self.pages.append(group_pages)
+            movers.append(PageMover([(t, page) for t in group_pages], bpc, self.runtime.core.layouts[g].nbytes))
+        self.bpc = bpc
+        self.manager = KVTierOffloadManager(self.runtime)
+        self.worker = KVTierOffloadWorkerCore(self.runtime, movers, bpc)
+        self._jobs = itertools.count()
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.runtime.close()
+
+    def keys(self, n: int, group: int = 0, salt: int = 0) -> list[bytes]:
+        return [(salt * 1000 + i).to_bytes(32, "little") + group.to_bytes(4, "big") for i in range(n)]
+
+    def _run(self, submit: Any, *args: Any) -> Any:
+        job = next(self._jobs)
+        assert submit(job, *args)
+        self.worker.wait({job})
+        results = self.worker.get_finished()
+        assert [r["job_id"] for r in results] == [job]
+        return results[0]
+
+    def store(self, keys: list[bytes], block_ids: list[int]) -> list[bytes]:
+        chosen, spec = self.manager.plan_store(keys)
+        if chosen:
+            ids = [b for i, k in enumerate(keys) if k in chosen for b in block_ids[i * self.bpc:(i + 1) * self.bpc]]
+            result = self._run(self.worker.submit_store, GpuSpec(np.array(ids, np.int32), (len(ids),), (0,)), spec)
+            assert result["success"]
+            self.manager.complete_store(chosen)
+        return chosen
+
+    def load(self, keys: list[bytes], block_ids: list[int], start: int = 0) -> dict[str, Any]:
+        spec = self.manager.prepare_load(keys)
+        result = self._run(self.worker.submit_load, spec, GpuSpec(np.array(block_ids, np.int32), (len(block_ids),),
+                                                                   (start,)))
+        self.manager.complete_load(keys)
+        return result
+
+    def settle(self, keys: list[bytes]) -> list[Lookup]:
+        """Lookup, start the reads (end of the scheduler step), wait for them, and lookup again."""
+        first = [self.manager.lookup(k) for k in keys]
+        self.manager.on_schedule_end()
+        for fetch in list(self.manager._fetching.values()):
+            if fetch.future is not None:
+                fetch.future.result()
+        assert not self.manager.has_pending_work()
+        assert first  # keep the first answers for callers that check them
+        return [self.manager.lookup(k) for k in keys]
+
+    def block(self, group: int, block_id: int) -> list[torch.Tensor]:
+        return [layer[block_id].clone() for layer in self.pages[group]]
+
+
+@pytest.fixture
+def cpu_tier() -> list[dict[str, Any]]:
+    return [{"type": "cpu", "capacity": "4MiB"}]
+
+
+# --- versions, imports, keys ---------------------------------------------------------------------------
+def test_supported_vllm_versions() -> None:
+    assert check_vllm_version("0.32.0") == (0, 32)
+    assert check_vllm_version("0.34.2+cpu") == (0, 34)
+    for bad in ("0.20.1", "0.35.0", "1.0.0", "dev"):
+        with pytest.raises(UnsupportedVLLM, match=r"vLLM 0\.32–0\.34"):
+            check_vllm_version(bad)
+
+
+def test_importing_kvtier_and_the_adapter_never_imports_vllm() -> None:
+    code = "import sys, kvtier, kvtier.connectors, kvtier.connectors.vllm; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+
+
+def test_key_codec_maps_vllm_group_ids_to_kvtier_groups() -> None:
+    codec = KeyCodec([0, 2])
+    key = b"h" * 32 + (2).to_bytes(4, "big")
+    assert codec.block_key(key) == BlockKey(b"h" * 32, 1)
+    assert codec.offload_key(codec.block_key(key)) == key
+    with pytest.raises(LayoutMismatch, match="group 1"):
+        codec.block_key(b"h" * 32 + (1).to_bytes(4, "big"))
+
+
+# --- config merge ----------------------------------------------------------------------------------------
+def test_engine_geometry_fills_the_config() -> None:
+    cfg = kvtier_config_for_engine({"tiers": [{"type": "cpu", "capacity": "1MiB"}]}, geometry(bpc=2))
+    assert cfg.hash_block_size == 32 and cfg.block_size == 64
+    assert cfg.groups is not None and [g.block_size for g in cfg.groups] == [32]
+    assert cfg.model.num_kv_heads == HEADS and cfg.model.token_layout == "HND"
+    assert cfg.model.name == "tiny-llama|vllm:LBHNC:32"
+
+
+def test_config_keys_that_contradict_the_engine_name_the_key() -> None:
+    tiers = [{"type": "cpu", "capacity": "1MiB"}]
+    model = {"name": "x", "num_layers": 2, "num_kv_heads": 8, "head_dim": DIM}
+    with pytest.raises(KVTierConfigError, match=r"^model\.num_kv_heads: is 8"):
+        kvtier_config_for_engine({"model": model, "tiers": tiers}, geometry())
+    with pytest.raises(KVTierConfigError, match=r"^block_size: .*kv_connector_extra_config"):
+        kvtier_config_for_engine({"block_size": 128, "tiers": tiers}, geometry())
+    with pytest.raises(KVTierConfigError, match="different block sizes"):
+        kvtier_config_for_engine({"tiers": tiers}, geometry(((0, 32, 1), (1, 64, 1)), bpc=2))
+    with pytest.raises(KVTierConfigError, match=r"^tiers\[0\]\.capacity"):
+        kvtier_config_for_engine({"tiers": [{"type": "cpu", "capacity": "lots"}]}, geometry())
+
+
+def test_namespace_separates_engine_block_sizes() -> None:
+    tiers = [{"type": "cpu", "capacity": "1MiB"}]
+    a = kvtier_config_for_engine({"tiers": tiers}, geometry(((0, 32, 2),), bpc=2))
+    b = kvtier_config_for_engine({"tiers": tiers}, geometry(((0, 64, 2),), bpc=1))
+    assert a.model.name != b.model.name
+
+
+# --- page moves ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_page_mover_round_trip_with_chunks_and_skip(cross_layer: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    page, layers, bpc = 64, 3, 2
+    if cross_layer:
+        regions = [(torch.randint(-128, 127, (10, page * layers), dtype=torch.int8, generator=gen), page * layers)]
+    else:
+        regions = [(torch.randint(-128, 127, (10, page + 16), dtype=torch.int8, generator=gen), page)
+                   for _ in range(layers)]  # rows padded past the page
+    mover = PageMover(regions, bpc, page * layers * bpc)
+    assert mover.cross_layer is cross_layer
+    ids = torch.tensor([7, 2, 9, 4])
+    out = torch.empty((2, page * layers * bpc), dtype=torch.uint8)
+    mover.gather(ids, out)
+    before = [rows.clone() for rows, _ in regions]
+    for rows, _ in regions:
+        rows.zero_()
+    mover.scatter(out, torch.tensor([5, 6, 8]), skip=1)  # engine blocks 2, 9, 4
+    for (rows, size), old in zip(regions, before, strict=True):
+        assert torch.equal(rows[[5, 6, 8], :size], old[[2, 9, 4], :size])
+
+
+def test_page_mover_refuses_a_layout_of_another_size() -> None:
+    with pytest.raises(LayoutMismatch, match="model.num_kv_heads"):
+        PageMover([(torch.zeros((4, 64), dtype=torch.int8), 64)], 1, 128)
+
+
+# --- manager + worker over real tiers ---------------------------------------------------------------------
+def test_cpu_tier_store_then_hit_and_load_bit_exact(cpu_tier: list[dict[str, Any]]) -> None:
+    h = Harness(cpu_tier)
+    try:
+        keys = h.keys(4)
+        assert [h.manager.lookup(k) for k in keys] == [Lookup.MISS] * 4
+        assert h.store(keys, [3, 4, 5, 6]) == keys
+        assert h.manager.plan_store(keys)[0] == []  # already cached: nothing to store again
+        assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 4
+        expected = [h.block(0, b) for b in (3, 4, 5, 6)]
+        assert h.load(keys, [20, 21, 22, 23])["success"]
+        for b, want in zip((20, 21, 22, 23), expected, strict=True):
+            assert all(torch.equal(a, w) for a, w in zip(h.block(0, b), want, strict=True))
+        stats = h.runtime.stats()
+        assert stats.tiers[0].hits == 4 and stats.tiers[0].stores == 4
+        assert not h.runtime.residency.tiers[0].pins  # the read released the leases
+    finally:
+        h.close()
+
+
+def test_pending_store_answers_hit_pending(cpu_tier: list[dict[str, Any]]) -> None:
+    h = Harness(cpu_tier)
+    try:
+        keys = h.keys(2)
+        chosen, _ = h.manager.plan_store(keys)
+        assert [h.manager.lookup(k) for k in chosen] == [Lookup.HIT_PENDING] * 2
+        h.manager.complete_store(chosen, success=False)
+        assert [h.manager.lookup(k) for k in keys] == [Lookup.MISS] * 2
+    finally:
+        h.close()
+
+
+def test_file_tier_hit_is_promoted_verified_before_it_is_promised(tmp_path: Path) -> None:
+    h = Harness([{"type": "file", "path": str(tmp_path), "capacity": "4MiB"}])
+    try:
+        keys = h.keys(3)
+        h.store(keys, [1, 2, 3])
+        assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT_PENDING] * 3
+        assert h.settle(keys) == [Lookup.HIT] * 3
+        expected = [h.block(0, b) for b in (1, 2, 3)]
+        assert h.load(keys, [10, 11, 12])["success"]
+        assert all(torch.equal(a, w) for b, want in zip((10, 11, 12), expected, strict=True)
+                   for a, w in zip(h.block(0, b), want, strict=True))
+        assert h.runtime.stats().tiers[0].hits == 3
+    finally:
+        h.close()
+
+
+def test_corrupt_file_block_is_a_miss_never_a_hit(tmp_path: Path) -> None:
+    h = Harness([{"type": "file", "path": str(tmp_path), "capacity": "4MiB"}])
+    try:
+        keys = h.keys(3)
+        h.store(keys, [1, 2, 3])
+        tier = h.runtime.core.tiers[0]
+        victim = tier.path_of(h.runtime.codec.block_key(keys[1]))  # type: ignore[attr-defined]
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        assert h.settle(keys) == [Lookup.HIT, Lookup.MISS, Lookup.MISS]
+        assert h.runtime.stats().tiers[0].corrupt_or_lost == 1
+    finally:
+        h.close()
+
+
+def test_a_restarted_engine_hits_what_the_file_tier_kept(tmp_path: Path) -> None:
+    tiers = [{"type": "cpu", "capacity": "1MiB"}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
+    first = Harness(tiers, placement={"write_mode": "write_through"})
+    keys = first.keys(2)
+    first.store(keys, [1, 2])
+    expected = [first.block(0, b) for b in (1, 2)]
+    first.close()
+    second = Harness(tiers, seed=5)
+    try:
+        assert second.settle(keys) == [Lookup.HIT] * 2
+        assert second.load(keys, [7, 8])["success"]
+        assert all(torch.equal(a, w) for b, want in zip((7, 8), expected, strict=True)
+                   for a, w in zip(second.block(0, b), want, strict=True))
+        assert second.runtime.stats().tiers[1].hits == 2
+    finally:
+        second.close()
+
+
+@pytest.mark.skipif(not redis_up(), reason="needs Redis on 127.0.0.1:6379")
+def test_redis_tier_answers_retry_while_it_is_asked(tmp_path: Path) -> None:
+    tiers = [{"type": "redis", "url": "redis://127.0.0.1:6379/0", "ttl_seconds": 60}]
+    h = Harness(tiers, seed=int.from_bytes(os.urandom(2), "little"))
+    try:
+        keys = h.keys(2, salt=int.from_bytes(os.urandom(3), "little"))
+        h.store(keys, [1, 2])
+        assert [h.manager.lookup(k) for k in keys] == [Lookup.RETRY] * 2
+        assert h.settle(keys) == [Lookup.HIT] * 2
+        assert h.load(keys, [5, 6])["success"]
+        assert h.runtime.stats().tiers[0].hits == 2
+        unknown = h.keys(1, salt=int.from_bytes(os.urandom(3), "little") + 1)
+        assert h.settle(unknown) == [Lookup.MISS]
+        assert h.manager.lookup(unknown[0]) == Lookup.MISS  # remembered as absent: Redis is not asked again
+    finally:
+        h.close()
+
+
+def test_leased_blocks_survive_stores_that_evict(tmp_path: Path) -> None:
+    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    h = Harness([{"type": "cpu", "capacity": 4 * block}], num_blocks=16)
+    try:
+        keys = h.keys(4)
+        h.store(keys, [0, 1, 2, 3])
+        expected = [h.block(0, b) for b in (0, 1, 2, 3)]
+        spec = h.manager.prepare_load(keys)
+        assert set(spec.sources) == {0}
+        h.store(h.keys(4, salt=1), [4, 5, 6, 7])  # a full tier of others: every lease holds
+        assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 4
+        job = 99
+        h.worker.submit_load(job, spec, GpuSpec(np.array([8, 9, 10, 11], np.int32), (4,), (0,)))
+        h.worker.wait({job})
+        assert h.worker.get_finished()[0]["success"]
+        assert all(torch.equal(a, w) for b, want in zip((8, 9, 10, 11), expected, strict=True)
+                   for a, w in zip(h.block(0, b), want, strict=True))
+    finally:
+        h.close()
+
+
+def test_a_block_demoted_between_lookup_and_load_is_read_back_verified(tmp_path: Path) -> None:
+    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    tiers = [{"type": "cpu", "capacity": 2 * block}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
+    h = Harness(tiers)
+    try:
+        keys = h.keys(2)
+        h.store(keys, [0, 1])
+        assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 2
+        h.store(h.keys(2, salt=1), [2, 3])  # demotes both to the file tier before prepare_load
+        spec = h.manager.prepare_load(keys)
+        assert spec.sources == (STAGED, STAGED) and LOST not in spec.sources
+        expected = [h.block(0, b) for b in (0, 1)]
+        job = 7
+        h.worker.submit_load(job, spec, GpuSpec(np.array([9, 10], np.int32), (2,), (0,)))
+        h.worker.wait({job})
+        assert h.worker.get_finished()[0]["success"]
+        assert all(torch.equal(a, w) for b, want in zip((9, 10), expected, strict=True)
+                   for a, w in zip(h.block(0, b), want, strict=True))
+    finally:
+        h.close()
+
+
+def test_chunks_of_two_blocks_load_from_an_unaligned_start(cpu_tier: list[dict[str, Any]]) -> None:
+    h = Harness(cpu_tier, bpc=2)
+    try:
+        keys = h.keys(2)
+        h.store(keys, [4, 5, 6, 7])
+        expected = [h.block(0, b) for b in (5, 6, 7)]
+        assert h.load(keys, [12, 13, 14], start=1)["success"]  # the engine already has the first block
+        assert all(torch.equal(a, w) for b, want in zip((12, 13, 14), expected, strict=True)
+                   for a, w in zip(h.block(0, b), want, strict=True))
+    finally:
+        h.close()
+
+
+def test_groups_with_their_own_block_sizes(cpu_tier: list[dict[str, Any]]) -> None:
+    h = Harness(cpu_tier, groups=((0, 32, 2), (3, 64, 1)))
+    try:
+        full, window = h.keys(2, group=0), h.keys(1, group=3)
+        chosen, spec = h.manager.plan_store(full + window)
+        assert [k.group_id for k in spec.keys] == [0, 0, 1]
+        ids = np.array([1, 2, 5], np.int32)
+        h.worker.submit_store(0, GpuSpec(ids, (2, 1), (0, 0)), spec)
+        h.worker.wait({0})
+        assert h.worker.get_finished()[0]["success"]
+        h.manager.complete_store(chosen)
+        assert [h.manager.lookup(k) for k in full + window] == [Lookup.HIT] * 3
+        expected = h.block(1, 5)
+        load = h.manager.prepare_load(full + window)
+        h.worker.submit_load(1, load, GpuSpec(np.array([8, 9, 10], np.int32), (2, 1), (0, 0)))
+        h.worker.wait({1})
+        assert h.worker.get_finished()[0]["success"]
+        assert all(torch.equal(a, w) for a, w in zip(h.block(1, 10), expected, strict=True))
+    finally:
+        h.close()
+
+
+def test_reset_cache_drops_manager_state_but_not_the_tiers(cpu_tier: list[dict[str, Any]]) -> None:
+    h = Harness(cpu_tier)
+    try:
+        keys = h.keys(2)
+        h.store(keys, [1, 2])
+        h.manager.plan_store(h.keys(1, salt=3))
+        h.manager.reset_cache()
+        assert not h.manager._storing
+        assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 2
+    finally:
+        h.close()
