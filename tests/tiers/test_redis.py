@@ -1,0 +1,485 @@
+"""RedisTier against real servers on loopback: the shared 127.0.0.1:6379, private servers and clusters.
+
+Fixtures (tests/tiers/conftest.py) skip these tests without Redis, or fail them when ``CI`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+try:
+    import redis
+except ImportError:  # the `redis` extra is missing
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("redis-py is not installed: pip install 'kvtier[redis]'", allow_module_level=True)
+
+from redis.crc import key_slot
+
+from kvtier.blocks import BlockKey
+from kvtier.codec import HEADER_SIZE
+from kvtier.errors import KVTierConfigError, LayoutMismatch
+from kvtier.layout import BlockLayout
+from kvtier.tiers.redis import CircuitBreaker, CircuitBreakerConfig, RedisTier
+
+#: 16 KiB blocks keep most tests fast; one test moves 2 MiB blocks.
+SMALL = BlockLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+#: Same bytes per block as SMALL, another layout (another fingerprint).
+SMALL_OTHER = BlockLayout(num_layers=4, num_kv_heads=1, head_dim=64, block_size=16)
+LARGE = BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
+
+
+def keys_for(n: int, group: int = 0) -> list[BlockKey]:
+    return [BlockKey(os.urandom(32), group) for _ in range(n)]
+
+
+def kv_like(layout: BlockLayout, n: int, seed: int = 0) -> list[torch.Tensor]:
+    """Random-normal fp16 blocks as 1-D uint8 tensors (what the cache hands a tier)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(layout.nbytes // 2, generator=gen).half().view(torch.uint8) for _ in range(n)]
+
+
+def compressible(layout: BlockLayout, n: int) -> list[torch.Tensor]:
+    """fp16 blocks of few distinct values: lz4 shrinks them, so the compressed path runs."""
+    return [(torch.arange(layout.nbytes // 2) % 7 + i).half().view(torch.uint8) for i in range(n)]
+
+
+def empty_like_blocks(layout: BlockLayout, n: int) -> list[torch.Tensor]:
+    return [torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8) for _ in range(n)]
+
+
+def sync_client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=5)
+
+
+FAST_BREAKER = {"failures": 2, "cooldown_seconds": 0.3}
+
+
+MakeTier = Callable[..., RedisTier]
+
+
+@pytest.fixture()
+def make_tier() -> Iterator[MakeTier]:
+    """``RedisTier(…)`` that is closed (idle connections, I/O threads) when the test ends."""
+    made: list[RedisTier] = []
+
+    def make(*args: Any, **kwargs: Any) -> RedisTier:
+        made.append(RedisTier(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for tier in made:
+        asyncio.run(tier.close())
+
+
+# --- configuration and the breaker (no server) -----------------------------------------------------------
+def test_constructor_validates_arguments() -> None:
+    with pytest.raises(KVTierConfigError, match="namespace"):
+        RedisTier("r", {0: SMALL}, namespace="has space")
+    with pytest.raises(KVTierConfigError, match="namespace"):
+        RedisTier("r", {0: SMALL}, namespace="tag{x}")
+    with pytest.raises(KVTierConfigError, match="compression"):
+        RedisTier("r", {0: SMALL}, namespace="ns", compression="zstd")  # type: ignore[arg-type]
+    with pytest.raises(KVTierConfigError, match="circuit_breaker.failure"):
+        RedisTier("r", {0: SMALL}, namespace="ns", circuit_breaker={"failure": 3})
+    with pytest.raises(KVTierConfigError, match="url"):
+        RedisTier("r", {0: SMALL}, namespace="ns", url="http://localhost")
+    with pytest.raises(KVTierConfigError, match="url"):
+        RedisTier("r", {0: SMALL}, namespace="ns", cluster=True, url="redis://127.0.0.1:7000/3")
+    with pytest.raises(KVTierConfigError, match=r"startup_nodes\[1\]"):
+        RedisTier("r", {0: SMALL}, namespace="ns", startup_nodes=["127.0.0.1:7000", "nohost"])
+    with pytest.raises(KVTierConfigError, match="ttl_seconds"):
+        RedisTier("r", {0: SMALL}, namespace="ns", ttl_seconds=0)
+    tier = RedisTier("r", {0: SMALL}, namespace="ns", url="rediss://user:p%40ss@example.org:7001/2")
+    assert (tier.tls, tier.username, tier.password, tier.db, str(tier.address)) == (
+        True, "user", "p@ss", 2, "example.org:7001")
+    assert RedisTier("r", {0: SMALL}, namespace="ns", startup_nodes=["10.0.0.1:7000"]).cluster
+    assert tier.redis_key(BlockKey(b"\x01\xab", 3)) == b"kvtier:ns:3:01ab"
+
+
+def test_circuit_breaker_states() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker(CircuitBreakerConfig(failures=2, cooldown_seconds=5), clock=lambda: now[0])
+    assert breaker.allow() and not breaker.failure()
+    assert breaker.failure() and breaker.is_open          # the 2nd consecutive failure opens it
+    assert not breaker.allow()                            # cooling down
+    now[0] = 5.0
+    assert breaker.allow() and not breaker.allow()        # one probe at a time
+    assert not breaker.failure() and not breaker.allow()  # failed probe: another cool-down
+    now[0] = 10.0
+    assert breaker.allow() and breaker.success() and not breaker.is_open
+    assert breaker.allow() and not breaker.failure()      # closed again: counts from zero
+
+
+def test_wrong_buffers_raise() -> None:
+    tier = RedisTier("r", {0: SMALL}, namespace="ns", url="redis://127.0.0.1:1/0")
+    with pytest.raises(LayoutMismatch):
+        asyncio.run(tier.get(keys_for(1), [torch.empty(10, dtype=torch.uint8)]))
+    with pytest.raises(LayoutMismatch):
+        asyncio.run(tier.put(keys_for(1, group=7), kv_like(SMALL, 1)))
+
+
+# --- single node ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_round_trip_is_bit_exact(redis_url: str, namespace: str, compression: str, make_tier: MakeTier) -> None:
+    tier = make_tier("r", {0: SMALL, 1: LARGE}, namespace=namespace, url=redis_url, compression=compression)
+    small_keys, large_keys = keys_for(24), keys_for(6, group=1)
+    small = kv_like(SMALL, 12) + compressible(SMALL, 12)
+    large = kv_like(LARGE, 3, seed=1) + compressible(LARGE, 3)
+    keys, blocks = small_keys + large_keys, small + large
+    out = empty_like_blocks(SMALL, 24) + empty_like_blocks(LARGE, 6)
+
+    async def scenario() -> None:
+        assert await tier.put(keys, blocks) == [True] * len(keys)
+        assert await tier.get(keys, out) == [True] * len(keys)
+        assert await tier.contains(keys + keys_for(1)) == [True] * len(keys) + [False]
+        await tier.close()
+
+    asyncio.run(scenario())
+    assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+    client = sync_client(redis_url)
+    sizes = [client.strlen(tier.redis_key(k)) for k in keys]
+    client.close()
+    if compression == "lz4":  # compressible blocks shrink, random-normal fp16 ones are stored raw
+        assert all(s < HEADER_SIZE + SMALL.nbytes for s in sizes[12:24])
+        assert all(s == HEADER_SIZE + SMALL.nbytes for s in sizes[:12])
+    else:
+        assert sizes == [HEADER_SIZE + SMALL.nbytes] * 24 + [HEADER_SIZE + LARGE.nbytes] * 6
+    assert tier.counters.errors == {}
+    assert tier.counters.blocks_written == tier.counters.blocks_read == len(keys)
+
+    # Closed, then used from another event loop: it reconnects and reads the same blocks.
+    again = empty_like_blocks(SMALL, 24)
+    assert asyncio.run(tier.get(small_keys, again)) == [True] * 24
+    assert all(torch.equal(a, b) for a, b in zip(small, again, strict=True))
+
+
+def test_absent_keys_miss_without_errors(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
+    tier = make_tier("r", {0: SMALL}, namespace=namespace, url=redis_url)
+    assert asyncio.run(tier.get(keys_for(5), empty_like_blocks(SMALL, 5))) == [False] * 5
+    assert tier.counters.errors == {}
+
+
+def test_tampered_values_miss_and_are_deleted(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
+    tier = make_tier("r", {0: SMALL}, namespace=namespace, url=redis_url)
+    keys, blocks = keys_for(4), kv_like(SMALL, 4)
+    asyncio.run(tier.put(keys, blocks))
+    client = sync_client(redis_url)
+    good = client.get(tier.redis_key(keys[1]))
+    client.set(tier.redis_key(keys[0]), b"garbage")                              # not a kvtier value
+    client.set(tier.redis_key(keys[1]), good[:HEADER_SIZE] + b"\x00" + good[HEADER_SIZE + 1:])  # checksum
+    client.set(tier.redis_key(keys[2]), client.get(tier.redis_key(keys[3])))    # another key's value
+    out = empty_like_blocks(SMALL, 4)
+    assert asyncio.run(tier.get(keys, out)) == [False, False, False, True]
+    assert [client.exists(tier.redis_key(k)) for k in keys] == [0, 0, 0, 1]
+    client.close()
+    assert tier.counters.errors == {"corrupt": 3}
+    assert torch.equal(out[3], blocks[3])
+
+
+def test_wrong_layout_fingerprint_is_a_miss(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
+    writer = make_tier("w", {0: SMALL}, namespace=namespace, url=redis_url)
+    reader = make_tier("r", {0: SMALL_OTHER}, namespace=namespace, url=redis_url)
+    keys = keys_for(3)
+    assert asyncio.run(writer.put(keys, kv_like(SMALL, 3))) == [True] * 3
+    assert asyncio.run(reader.get(keys, empty_like_blocks(SMALL_OTHER, 3))) == [False] * 3
+    assert reader.counters.errors == {"corrupt": 3}
+    assert asyncio.run(writer.contains(keys)) == [False] * 3  # deleted
+
+
+def test_ttl_is_set(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
+    with_ttl = make_tier("t", {0: SMALL}, namespace=namespace, url=redis_url, ttl_seconds=30)
+    without = make_tier("n", {0: SMALL}, namespace=namespace, url=redis_url)
+    ttl_keys, plain_keys = keys_for(2), keys_for(2)
+    asyncio.run(with_ttl.put(ttl_keys, kv_like(SMALL, 2)))
+    asyncio.run(without.put(plain_keys, kv_like(SMALL, 2)))
+    client = sync_client(redis_url)
+    assert all(0 < client.pttl(with_ttl.redis_key(k)) <= 30_000 for k in ttl_keys)
+    assert all(client.pttl(without.redis_key(k)) == -1 for k in plain_keys)
+    client.close()
+
+
+def test_contains_delete_and_keys(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
+    tier = make_tier("r", {0: SMALL, 2: SMALL}, namespace=namespace, url=redis_url)
+    keys, blocks = keys_for(5) + keys_for(3, group=2), kv_like(SMALL, 9)
+    assert asyncio.run(tier.put(keys + keys[:1], blocks)) == [True] * 9  # a key given twice: the last wins
+    out = empty_like_blocks(SMALL, 1)
+    assert asyncio.run(tier.get(keys[:1], out)) == [True] and torch.equal(out[0], blocks[8])
+    assert sorted(tier.keys()) == sorted(keys)
+    asyncio.run(tier.delete(keys[:4] + keys_for(1)))
+    assert asyncio.run(tier.contains(keys)) == [False] * 4 + [True] * 4
+    assert sorted(tier.keys()) == sorted(keys[4:])
+    assert tier.usage_bytes() == 0
+
+
+def test_concurrent_batches_share_a_small_pool(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
+    tier = make_tier("r", {0: SMALL}, namespace=namespace, url=redis_url, max_connections=2)
+    batches = [(keys_for(16), kv_like(SMALL, 16, seed=i)) for i in range(12)]
+
+    async def scenario() -> list[list[bool]]:
+        await asyncio.gather(*(tier.put(k, b) for k, b in batches))
+        outs = [empty_like_blocks(SMALL, 16) for _ in batches]
+        hits = await asyncio.gather(*(tier.get(k, o) for (k, _), o in zip(batches, outs, strict=True)))
+        for (_, blocks), out in zip(batches, outs, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+        await tier.close()
+        return hits
+
+    assert asyncio.run(scenario()) == [[True] * 16] * 12
+    assert tier.counters.errors == {}
+
+
+# --- faults ---------------------------------------------------------------------------------------------------
+def test_circuit_breaker_answers_fast_and_recovers(redis_server_factory, make_tier: MakeTier) -> None:
+    server = redis_server_factory(start=False)  # a port nobody listens on (yet)
+    tier = make_tier("r", {0: SMALL}, namespace="breaker", url=server.url, circuit_breaker=FAST_BREAKER,
+                     connect_timeout=0.5, timeout=0.5)
+    keys, blocks = keys_for(32), kv_like(SMALL, 32)
+
+    async def failing() -> None:
+        for _ in range(2):  # two failed batches open the breaker
+            assert await tier.get(keys, empty_like_blocks(SMALL, 32)) == [False] * 32
+        refused = tier.counters.errors["connection"]
+        start = time.perf_counter()
+        assert await tier.put(keys, blocks) == [False] * 32
+        assert await tier.get(keys, empty_like_blocks(SMALL, 32)) == [False] * 32
+        assert await tier.contains(keys) == [False] * 32
+        assert time.perf_counter() - start < 1.0
+        assert tier.counters.errors["connection"] == refused  # nothing was tried while open
+        assert tier.counters.errors["circuit_open"] == 3 * 32
+
+    asyncio.run(failing())
+    server.start()
+    time.sleep(FAST_BREAKER["cooldown_seconds"])
+
+    async def recovered() -> None:
+        assert await tier.put(keys, blocks) == [True] * 32  # the probe, then closed
+        out = empty_like_blocks(SMALL, 32)
+        assert await tier.get(keys, out) == [True] * 32
+        assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+        await tier.close()
+
+    asyncio.run(recovered())
+
+
+def test_server_crash_and_restart(redis_server_factory, make_tier: MakeTier) -> None:
+    server = redis_server_factory()
+    tier = make_tier("r", {0: SMALL}, namespace="restart", url=server.url, circuit_breaker=FAST_BREAKER,
+                     connect_timeout=0.5, timeout=0.5)
+    keys, blocks = keys_for(16), kv_like(SMALL, 16)
+
+    async def scenario() -> None:
+        assert await tier.put(keys, blocks) == [True] * 16
+        assert await tier.get(keys, empty_like_blocks(SMALL, 16)) == [True] * 16  # connections now pooled
+        server.kill()
+        assert await tier.get(keys, empty_like_blocks(SMALL, 16)) == [False] * 16
+        assert await tier.put(keys, blocks) == [False] * 16
+        assert tier.counters.errors.get("connection", 0) >= 2
+        server.start()
+        await asyncio.sleep(FAST_BREAKER["cooldown_seconds"])
+        # The server came back empty (no persistence): blocks miss, the tier works again by itself.
+        assert await tier.get(keys, empty_like_blocks(SMALL, 16)) == [False] * 16
+        assert await tier.put(keys, blocks) == [True] * 16
+        out = empty_like_blocks(SMALL, 16)
+        assert await tier.get(keys, out) == [True] * 16
+        assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+        await tier.close()
+
+    asyncio.run(scenario())
+
+
+def test_hung_server_times_out_and_recovers(redis_server_factory, make_tier: MakeTier) -> None:
+    server = redis_server_factory()
+    tier = make_tier("r", {0: SMALL}, namespace="hung", url=server.url, circuit_breaker=FAST_BREAKER,
+                     connect_timeout=0.3, timeout=0.3)
+    keys, blocks = keys_for(16), kv_like(SMALL, 16)
+
+    async def scenario() -> None:
+        assert await tier.put(keys, blocks) == [True] * 16
+        server.process.send_signal(signal.SIGSTOP)  # accepts bytes, never answers
+        try:
+            start = time.perf_counter()
+            assert await tier.get(keys, empty_like_blocks(SMALL, 16)) == [False] * 16
+            assert await tier.put(keys, blocks) == [False] * 16
+            assert await tier.get(keys, empty_like_blocks(SMALL, 16)) == [False] * 16  # breaker open: at once
+            assert time.perf_counter() - start < 2.0
+            assert tier.counters.errors.get("timeout", 0) >= 2
+            assert tier.counters.errors["circuit_open"] == 16
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        await asyncio.sleep(FAST_BREAKER["cooldown_seconds"])
+        out = empty_like_blocks(SMALL, 16)
+        assert await tier.get(keys, out) == [True] * 16
+        assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+        await tier.close()
+
+    asyncio.run(scenario())
+
+
+def _child_reads(url: str, namespace: str, hashes: list[bytes], results: multiprocessing.Queue) -> None:
+    tier = RedisTier("child", {0: SMALL}, namespace=namespace, url=url)
+    keys = [BlockKey(h, 0) for h in hashes]
+    out = empty_like_blocks(SMALL, len(keys))
+    hits = asyncio.run(tier.get(keys, out))
+    asyncio.run(tier.close())
+    results.put((hits, [bytes(o.numpy()) for o in out]))
+
+
+def test_two_processes_share_blocks(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
+    tier = make_tier("parent", {0: SMALL}, namespace=namespace, url=redis_url)
+    keys, blocks = keys_for(8), kv_like(SMALL, 8)
+    assert asyncio.run(tier.put(keys, blocks)) == [True] * 8
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_child_reads, args=(redis_url, namespace, [k.block_hash for k in keys], results))
+    child.start()
+    hits, data = results.get(timeout=60)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert hits == [True] * 8
+    assert data == [bytes(b.numpy()) for b in blocks]
+
+
+def test_tls_round_trip(redis_server_factory, tmp_path: Path, make_tier: MakeTier) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is needed to make test certificates")
+    ca_key, ca, key, csr, cert, ext = (tmp_path / n for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt",
+                                                              "ext.cnf"))
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    for args in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
+                  "-subj", "/CN=kvtier-test-ca"],
+                 ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+                  "-days", "1", "-extfile", ext]):
+        subprocess.run([openssl, *map(str, args)], check=True, capture_output=True)
+    server = redis_server_factory(start=False)
+    server.extra_args = ["--port", "0", "--tls-port", str(server.port), "--tls-cert-file", str(cert),
+                         "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+    server.start(wait=False)  # the plain-text readiness check cannot talk TLS: the first put waits instead
+    deadline = time.monotonic() + 10
+    tier = make_tier("tls", {0: SMALL, 1: LARGE}, namespace="tls", url=f"rediss://127.0.0.1:{server.port}/0",
+                     tls_ca_file=str(ca), circuit_breaker={"failures": 100, "cooldown_seconds": 0})
+    keys, blocks = keys_for(4) + keys_for(2, group=1), kv_like(SMALL, 4) + kv_like(LARGE, 2)
+    out = empty_like_blocks(SMALL, 4) + empty_like_blocks(LARGE, 2)
+    while not asyncio.run(tier.put(keys, blocks))[0]:
+        if server.process is not None and server.process.poll() is not None:
+            pytest.skip("this redis-server was built without TLS")
+        assert time.monotonic() < deadline, tier.counters.errors
+        time.sleep(0.05)
+    assert asyncio.run(tier.get(keys, out)) == [True] * 6
+    assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+
+
+# --- cluster ----------------------------------------------------------------------------------------------------
+def _node_of(handle, tier: RedisTier, keys: list[BlockKey]) -> list[int]:
+    """Index (into handle.nodes) of the master that owns each key, from CLUSTER SLOTS."""
+    client = redis.Redis(host="127.0.0.1", port=handle.nodes[0].port, socket_timeout=5)
+    ranges = client.execute_command("CLUSTER SLOTS")
+    client.close()
+    ports = [n.port for n in handle.nodes]
+    owner = {}
+    for row in ranges:
+        for slot in range(int(row[0]), int(row[1]) + 1):
+            owner[slot] = ports.index(int(row[2][1]))
+    return [owner[key_slot(tier.redis_key(k))] for k in keys]
+
+
+def test_cluster_round_trip_spreads_blocks(redis_cluster, make_tier: MakeTier) -> None:
+    tier = make_tier("c", {0: SMALL, 1: LARGE}, namespace=f"c-{uuid.uuid4().hex[:8]}", cluster=True,
+                     startup_nodes=redis_cluster.startup_nodes[:1], compression="lz4")
+    keys = keys_for(60) + keys_for(4, group=1)
+    blocks = kv_like(SMALL, 30) + compressible(SMALL, 30) + kv_like(LARGE, 4)
+    out = empty_like_blocks(SMALL, 60) + empty_like_blocks(LARGE, 4)
+
+    async def scenario() -> None:
+        assert await tier.put(keys, blocks) == [True] * 64
+        assert await tier.get(keys, out) == [True] * 64
+        assert await tier.contains(keys) == [True] * 64
+        await tier.delete(keys[:10])
+        assert await tier.contains(keys[:12]) == [False] * 10 + [True] * 2
+        await tier.close()
+
+    asyncio.run(scenario())
+    assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+    assert set(_node_of(redis_cluster, tier, keys)) == {0, 1, 2}  # the batch really was split
+    assert sorted(tier.keys()) == sorted(keys[10:])
+    assert tier.counters.errors == {}
+
+
+def _migrate_slot(handle, slot: int, source: int, target: int) -> None:
+    """Move one slot and its keys between masters, as ``redis-cli --cluster reshard`` does."""
+    nodes = [redis.Redis(host="127.0.0.1", port=n.port, socket_timeout=5) for n in handle.nodes]
+    ids = [n.execute_command("CLUSTER MYID") for n in nodes]
+    ids = [i.decode() if isinstance(i, bytes) else i for i in ids]
+    nodes[target].execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
+    nodes[source].execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[target])
+    while keys := nodes[source].execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+        nodes[source].execute_command("MIGRATE", "127.0.0.1", handle.nodes[target].port, "", 0, 5000, "KEYS", *keys)
+    for node in nodes:
+        node.execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
+        node.close()
+
+
+def test_cluster_follows_moved_slots(redis_cluster, make_tier: MakeTier) -> None:
+    tier = make_tier("c", {0: SMALL}, namespace=f"m-{uuid.uuid4().hex[:8]}", startup_nodes=redis_cluster.startup_nodes)
+    keys, blocks = keys_for(32), kv_like(SMALL, 32)
+    owner = _node_of(redis_cluster, tier, keys)
+    source = owner[0]
+    n_moved = sum(o == source for o in owner)
+
+    async def scenario() -> None:
+        assert await tier.put(keys, blocks) == [True] * 32  # the tier now holds the slot map
+        for slot in {key_slot(tier.redis_key(k)) for k, o in zip(keys, owner, strict=True) if o == source}:
+            _migrate_slot(redis_cluster, slot, source, (source + 1) % 3)
+        out = empty_like_blocks(SMALL, 32)
+        assert await tier.get(keys, out) == [True] * 32  # MOVED, retried at the new owner
+        assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+        assert tier.counters.errors == {"moved": n_moved}
+        await asyncio.sleep(1.0)  # the slot map is re-read at most once a second
+        await tier.contains(keys[:1])
+        assert await tier.get(keys, empty_like_blocks(SMALL, 32)) == [True] * 32
+        assert tier.counters.errors == {"moved": n_moved}  # routed right the second time
+        await tier.delete(keys)
+        await tier.close()
+
+    asyncio.run(scenario())
+
+
+def test_cluster_node_dies(private_redis_cluster, make_tier: MakeTier) -> None:
+    handle = private_redis_cluster
+    tier = make_tier("c", {0: SMALL}, namespace="dies", startup_nodes=handle.startup_nodes,
+                     circuit_breaker=FAST_BREAKER, connect_timeout=0.5, timeout=0.5)
+    keys, blocks = keys_for(48), kv_like(SMALL, 48)
+    owner = _node_of(handle, tier, keys)
+    assert set(owner) == {0, 1, 2}
+    alive = [o != 0 for o in owner]
+
+    async def scenario() -> None:
+        assert await tier.put(keys, blocks) == [True] * 48
+        assert await tier.get(keys, empty_like_blocks(SMALL, 48)) == [True] * 48
+        handle.nodes[0].kill()
+        for _ in range(3):  # pooled connections die, reconnects are refused, then the breaker opens
+            out = empty_like_blocks(SMALL, 48)
+            assert await tier.get(keys, out) == alive
+            assert all(torch.equal(out[i], blocks[i]) for i in range(48) if alive[i])
+        assert await tier.contains(keys) == alive
+        assert await tier.put(keys, blocks) == alive
+        await tier.close()
+
+    asyncio.run(scenario())
+    assert tier.counters.errors.get("connection", 0) >= 1
+    assert tier.counters.errors.get("circuit_open", 0) >= 1
