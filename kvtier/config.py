@@ -227,27 +227,37 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     return "".join(parts) or "<root>"
 
 
+def read_config_mapping(source: str | Path | Mapping[str, Any] | KVTierConfig, where: str = "") -> dict[str, Any]:
+    """A config as a plain mapping, from a YAML file path, YAML text, a mapping or a validated config.
+
+    ``where`` prefixes error paths (``kvtier_config`` when a connector reads it from an engine's options).
+    """
+    if isinstance(source, KVTierConfig):
+        return source.model_dump(exclude_none=True)
+    if isinstance(source, Mapping):
+        return dict(source)
+    text = str(source)
+    path = Path(text)
+    if "\n" not in text and (path.suffix in (".yaml", ".yml") or path.exists()):
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise KVTierConfigError(where, f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise KVTierConfigError(where, f"invalid YAML: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise KVTierConfigError(where or "<root>", f"expected a mapping of config keys, got {type(data).__name__}")
+    return dict(data)
+
+
 def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:
     """Read and validate a config from a YAML file path, YAML text, or a mapping.
 
     Raises :class:`KVTierConfigError` whose message starts with the key path (``tiers[1].capacity``).
     """
-    if isinstance(source, Mapping):
-        data: Any = dict(source)
-    else:
-        text = str(source)
-        path = Path(text)
-        if "\n" not in text and (path.suffix in (".yaml", ".yml") or path.exists()):
-            try:
-                text = path.read_text()
-            except OSError as exc:
-                raise KVTierConfigError("", f"cannot read config file {path}: {exc.strerror}") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise KVTierConfigError("", f"invalid YAML: {exc}") from None
-    if not isinstance(data, Mapping):
-        raise KVTierConfigError("<root>", f"expected a mapping of config keys, got {type(data).__name__}")
+    data = read_config_mapping(source)
     try:
         cfg = KVTierConfig.model_validate(data)
     except ValidationError as exc:

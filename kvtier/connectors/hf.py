@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from kvtier.blocks import BlockKey, KVGroup
 from kvtier.cache import TieredCache
+from kvtier.config import read_config_mapping
 from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.hashing import hash_token_blocks
 from kvtier.layout import BlockLayout, dtype_name
@@ -121,7 +121,7 @@ class HFPrefixCache:
         A config that has a ``model:`` section keeps it (and it must match the model); one without
         gets :func:`model_section`, and ``hash_block_size`` defaults to 16 tokens.
         """
-        data = _config_mapping(config)
+        data = read_config_mapping(config)
         if "model" not in data:
             data["model"] = model_section(model, model_name)
         elif model_name is not None:
@@ -315,21 +315,6 @@ def _cache_argument_name(model: Any) -> str:
     """``cache`` (transformers 5) or ``past_key_values`` (4.x): what ``forward`` calls the KV cache."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-def _config_mapping(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(config, Mapping):
-        return dict(config)
-    path = Path(config)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise KVTierConfigError("", f"cannot read config file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise KVTierConfigError("", f"invalid YAML in {path}: {exc}") from None
-    if not isinstance(data, Mapping):
-        raise KVTierConfigError("<root>", f"expected a mapping of config keys, got {type(data).__name__}")
-    return dict(data)
 
 
 __all__ = ["DEFAULT_BLOCK_TOKENS", "HFPrefixCache", "ReuseReport", "model_section"]

@@ -58,11 +58,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import yaml
 
 from kvtier.blocks import BlockKey
 from kvtier.cache import TieredCache
-from kvtier.config import load_config
+from kvtier.config import load_config, read_config_mapping
 from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.layout import dtype_name, parse_dtype
 from kvtier.metrics import CacheStats
@@ -401,17 +400,7 @@ def _user_config(extra: Mapping[str, Any]) -> dict[str, Any]:
         raise KVTierConfigError("extra_config.kvtier_config",
                                 f"missing: give a kvtier YAML path (or an inline mapping with `tiers:`) in "
                                 f"--hicache-storage-backend-extra-config, or set {CONFIG_ENV}")
-    if isinstance(source, Mapping):
-        data: Any = dict(source)
-    else:
-        try:
-            data = yaml.safe_load(Path(str(source)).read_text())
-        except OSError as exc:
-            raise KVTierConfigError(path, f"cannot read {source}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise KVTierConfigError(path, f"invalid YAML in {source}: {exc}") from None
-    if not isinstance(data, Mapping):
-        raise KVTierConfigError(path, f"expected a mapping with `tiers:`, got {type(data).__name__}")
+    data = read_config_mapping(source if isinstance(source, Mapping) else Path(str(source)), where=path)
     for key in _DERIVED_KEYS:
         if key in data:
             raise KVTierConfigError(key, "comes from SGLang's host pool (model, page size); remove it from the "

@@ -56,11 +56,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-import yaml
 
 from kvtier.blocks import BlockKey
 from kvtier.cache import AsyncTieredCache
-from kvtier.config import KVTierConfig, load_config, parse_size
+from kvtier.config import KVTierConfig, load_config, parse_size, read_config_mapping
 from kvtier.errors import KVTierConfigError, KVTierError, LayoutMismatch
 from kvtier.layout import parse_dtype
 from kvtier.metrics import CacheStats
@@ -164,24 +163,7 @@ class EngineGeometry:
 
 def read_config_source(source: str | Path | Mapping[str, Any] | KVTierConfig) -> dict[str, Any]:
     """The user's kvtier config as a plain mapping (from a YAML path, YAML text, a dict or a config)."""
-    if isinstance(source, KVTierConfig):
-        return source.model_dump(exclude_none=True)
-    if isinstance(source, Mapping):
-        return dict(source)
-    text = str(source)
-    path = Path(text)
-    if "\n" not in text and (path.suffix in (".yaml", ".yml") or path.exists()):
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise KVTierConfigError("kvtier_config", f"cannot read {path}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise KVTierConfigError("kvtier_config", f"invalid YAML: {exc}") from None
-    if not isinstance(data, Mapping):
-        raise KVTierConfigError("kvtier_config", f"expected a mapping of config keys, got {type(data).__name__}")
-    return dict(data)
+    return read_config_mapping(source, where="kvtier_config")
 
 
 def kvtier_config_for_engine(source: str | Path | Mapping[str, Any] | KVTierConfig,
