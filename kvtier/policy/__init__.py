@@ -27,7 +27,7 @@ EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
 }
 
 #: The policy used when a tier's config names none.
-DEFAULT_EVICTION = "lru"
+DEFAULT_EVICTION = "lifetime"
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:

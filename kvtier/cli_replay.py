@@ -1,0 +1,164 @@
+"""``kvtier replay TRACE``: replay a request trace through the cache's policies, metadata only.
+
+Thin: parses arguments, calls :mod:`kvtier.replay`, prints a rich table (or JSON) and optionally a
+plot. Exit codes: 0 ok, 2 bad usage, trace or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvtier.errors import KVTierConfigError
+from kvtier.policy import DEFAULT_EVICTION, EVICTION_POLICIES
+from kvtier.policy.admission import ADMISSION_POLICIES, make_admission_policy
+from kvtier.policy.placement import PlacementPolicy
+from kvtier.replay import (
+    DEFAULT_BYTES_PER_TOKEN,
+    MIN_POLICY,
+    TraceFormatError,
+    parse_capacity,
+    plan_runs,
+    plot_results,
+    read_trace,
+    results_json,
+    results_table,
+    run_all,
+)
+
+DEFAULT_CAPACITIES = ["1%", "5%", "10%", "25%"]
+
+
+def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``replay`` on the ``kvtier`` command's subparsers."""
+    policies = sorted(EVICTION_POLICIES)
+    p = subparsers.add_parser(
+        "replay", help="replay a request trace through eviction and placement policies (no bytes moved)",
+        description="Replay a Mooncake or generic JSONL trace through the cache's own residency, eviction and "
+                    "placement objects, metadata only. LRU and Belady's MIN are always replayed beside the "
+                    "policies asked for.")
+    p.add_argument("trace", help="JSONL trace (Mooncake's hash_ids lines, or kvtier's generic format)")
+    p.add_argument("--format", choices=["auto", "mooncake", "generic"], default="auto")
+    p.add_argument("--block-tokens", type=int, default=None,
+                   help="tokens per block id (default: 512 for Mooncake, the header's or 16 for generic)")
+    p.add_argument("--capacity", nargs="+", default=None, metavar="CAP",
+                   help="single-tier capacities: block counts or %% of the trace's distinct blocks "
+                        f"(default: {' '.join(DEFAULT_CAPACITIES)} unless --tiers is given)")
+    p.add_argument("--tiers", nargs="+", default=[], metavar="CAP,CAP[,...]",
+                   help="multi-tier capacities, top tier first (e.g. 1%%,10%%); each value is one hierarchy")
+    p.add_argument("--policy", nargs="+", default=["default"], metavar="NAME",
+                   help=f"eviction policies: {', '.join(policies)}, or 'default' ({DEFAULT_EVICTION}); "
+                        f"lru and min are always added")
+    p.add_argument("--write-mode", choices=["write_back", "write_through"], default="write_back",
+                   help="multi-tier: demote on eviction (write_back) or write every tier (write_through)")
+    p.add_argument("--no-promote", action="store_true", help="multi-tier: leave lower-tier hits where they are")
+    p.add_argument("--promote-to", type=int, default=0, help="multi-tier: tier index hits are promoted to")
+    p.add_argument("--exclusive", action="store_true",
+                   help="multi-tier: delete the lower copy of a promoted block (default: keep it)")
+    p.add_argument("--admission", default=None, metavar="NAME[,NAME...]",
+                   help=f"multi-tier: admission per tier ({', '.join(ADMISSION_POLICIES)}); "
+                        "one name applies to every tier below the top")
+    p.add_argument("--admission-history", type=int, default=65536, help="keys remembered by admission filters")
+    p.add_argument("--bytes-per-token", type=int, default=DEFAULT_BYTES_PER_TOKEN,
+                   help="KV bytes per token for the bytes columns (default: Llama-3-8B bf16, 128 KiB)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--no-min", action="store_true", help="skip Belady's MIN (it is the slowest run)")
+    p.add_argument("--plot", metavar="FILE", help="draw hit ratio against capacity per policy (PNG, SVG, PDF)")
+    p.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_replay)
+    return p
+
+
+def _placement_factory(args: argparse.Namespace) -> Any:
+    names = args.admission.split(",") if args.admission else None
+
+    def build(num_tiers: int) -> PlacementPolicy:
+        if names is None:
+            per_tier = ["always"] * num_tiers
+        elif len(names) == 1:
+            per_tier = ["always"] + names * (num_tiers - 1)
+        elif len(names) == num_tiers:
+            per_tier = names
+        else:
+            raise KVTierConfigError("--admission", f"{len(names)} names for {num_tiers} tiers; give one, or one "
+                                                   f"per tier")
+        admissions = []
+        for i, name in enumerate(per_tier):
+            try:
+                admissions.append(make_admission_policy(name, args.admission_history))
+            except KeyError as exc:
+                raise KVTierConfigError(f"--admission[{i}]", str(exc.args[0])) from None
+        try:
+            return PlacementPolicy(admission=admissions, write_mode=args.write_mode,
+                                   promote_on_hit=not args.no_promote, promote_to=args.promote_to,
+                                   keep_lower_copy=not args.exclusive)
+        except ValueError as exc:
+            raise KVTierConfigError("--promote-to" if "promote_to" in str(exc) else "--write-mode", str(exc)) from None
+
+    return build
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """Do what ``kvtier replay`` was asked; returns the exit code."""
+    err = Console(stderr=True)
+    for name in args.policy:
+        if name not in EVICTION_POLICIES and name not in ("default", MIN_POLICY):
+            err.print(f"[red]unknown policy[/red] {name!r}; known: {', '.join(sorted(EVICTION_POLICIES))}, default")
+            return 2
+    try:
+        trace = read_trace(args.trace, format=args.format, block_tokens=args.block_tokens, limit=args.limit)
+    except (TraceFormatError, ValueError) as exc:
+        err.print(f"[red]bad trace[/red] {exc}")
+        return 2
+    if not trace.requests:
+        err.print(f"[red]bad trace[/red] {args.trace}: no requests")
+        return 2
+    try:
+        specs = args.capacity if args.capacity is not None else ([] if args.tiers else DEFAULT_CAPACITIES)
+        capacities = [parse_capacity(c, trace.distinct_blocks) for c in specs]
+        tier_sets = [[parse_capacity(c, trace.distinct_blocks) for c in group.split(",") if c]
+                     for group in args.tiers]
+        if any(len(t) < 2 for t in tier_sets):
+            raise ValueError("each --tiers value needs two or more comma-separated capacities (e.g. 1%,10%)")
+        placement = _placement_factory(args)
+        for tiers in tier_sets:
+            placement(len(tiers))  # validate now, not after an hour of replay
+    except (ValueError, KVTierConfigError) as exc:
+        err.print(f"[red]bad arguments[/red] {exc}")
+        return 2
+
+    runs = plan_runs(args.policy, capacities, tier_sets, with_min=not args.no_min)
+    if args.no_progress:
+        results = run_all(trace, runs, placement, bytes_per_token=args.bytes_per_token)
+    else:
+        total = trace.references * len(runs)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=err, transient=True) as progress:
+            task = progress.add_task("replay", total=total)
+            finished = [0]
+            last = [0]
+
+            def tick(done: int, label: str) -> None:
+                if done < last[0]:
+                    finished[0] += last[0]
+                last[0] = done
+                progress.update(task, completed=finished[0] + done, description=f"replay {label}")
+
+            results = run_all(trace, runs, placement, bytes_per_token=args.bytes_per_token, progress=tick)
+
+    if args.json:
+        print(json.dumps(results_json(trace, results), indent=2))
+    else:
+        out = Console(width=max(Console().width, 150))
+        out.print(results_table(trace, results))
+        out.print(f"default policy: [bold]{DEFAULT_EVICTION}[/bold]; prefix-hit tokens = input tokens of the "
+                  f"leading cached blocks of each request / all input tokens")
+    if args.plot:
+        path = plot_results(trace, results, args.plot)
+        (err if args.json else Console()).print(f"plot written to {path}")
+    return 0

@@ -1,0 +1,613 @@
+"""Replay request traces through the cache's own residency and policy objects, metadata only.
+
+``kvtier replay`` answers "what would this policy and placement have done on this workload": it
+builds one :class:`~kvtier.residency.TierIndex` per tier and a :class:`~kvtier.residency.Residency`
+— the very objects :class:`~kvtier.cache.TieredCache` plans with — then, per request, does what the
+cache does: look up the leading cached blocks, touch (and maybe promote) them, and store the rest.
+Plans are "executed" against nothing: every write and demotion succeeds and is counted. No bytes
+move, so a trace of hundreds of thousands of block references replays in about a second.
+
+Beside every policy it replays LRU and Belady's MIN (:mod:`kvtier.policy.belady`), scored the same
+way, so each number has its baseline and its ceiling next to it.
+
+Trace formats (JSON Lines, one request per line, blank lines ignored):
+
+* **Mooncake** (``kvcache-ai/Mooncake`` FAST'25 traces): ``{"timestamp": ms, "input_length": tokens,
+  "output_length": tokens, "hash_ids": [int, ...]}``, one hash id per 512-token block, equal ids
+  meaning equal prefixes. ``len(hash_ids)`` must be ``ceil(input_length / block_tokens)``.
+* **Generic**: an optional first line ``{"kvtier_trace": 1, "block_tokens": 16}``, then
+  ``{"blocks": [id, ...], "tokens": int}`` per request. Ids are non-negative integers below 2^64 or
+  non-empty strings (hashed); block *i* of a request is its chain's *i*-th block, so equal ids must
+  mean equal prefixes. ``tokens`` (optional, default ``len(blocks) * block_tokens``) is the input
+  length; other keys (``timestamp``, ...) are ignored.
+
+Not here: the command line (:mod:`kvtier.cli_replay`), the policies themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from kvtier.blocks import BlockKey
+from kvtier.errors import KVTierError
+from kvtier.policy import DEFAULT_EVICTION, InsertHint
+from kvtier.policy.admission import AdmitAll
+from kvtier.policy.belady import NEVER, BeladyPolicy
+from kvtier.policy.placement import PlacementPolicy
+from kvtier.residency import READY, Residency, TierIndex
+
+#: Tokens per hash id in Mooncake traces.
+MOONCAKE_BLOCK_TOKENS = 512
+#: KV bytes per token of Llama-3-8B in bf16 (32 layers × 2 × 8 KV heads × 128 × 2 bytes); the default
+#: for turning block counts into bytes.
+DEFAULT_BYTES_PER_TOKEN = 131072
+MIN_POLICY = "min"
+
+
+class TraceFormatError(KVTierError, ValueError):
+    """A trace line is malformed; the message starts with ``path:line``."""
+
+
+@dataclass
+class Trace:
+    """A request trace with its block keys built once (equal ids share one key object)."""
+
+    name: str
+    format: str
+    block_tokens: int
+    requests: list[list[BlockKey]]
+    tokens: list[int]
+    distinct_blocks: int
+
+    @property
+    def references(self) -> int:
+        return sum(len(r) for r in self.requests)
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(self.tokens)
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "format": self.format, "requests": len(self.requests),
+                "block_references": self.references, "distinct_blocks": self.distinct_blocks,
+                "input_tokens": self.input_tokens, "block_tokens": self.block_tokens}
+
+
+class _KeyMaker:
+    """Ids → BlockKeys, one object per distinct id."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int | str, BlockKey] = {}
+
+    def __call__(self, block_id: int | str) -> BlockKey:
+        key = self.keys.get(block_id)
+        if key is None:
+            if isinstance(block_id, int):
+                raw = block_id.to_bytes(8, "little")
+            else:
+                raw = hashlib.blake2b(block_id.encode(), digest_size=16).digest()
+            key = self.keys[block_id] = BlockKey(raw, 0)
+        return key
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | None = None,
+               limit: int | None = None) -> Trace:
+    """Read a Mooncake or generic JSONL trace (see the module docstring).
+
+    ``format`` is ``auto`` (decided by the first request line), ``mooncake`` or ``generic``.
+    ``limit`` keeps the first N requests. Raises :class:`TraceFormatError` naming the line.
+    """
+    if format not in ("auto", "mooncake", "generic"):
+        raise ValueError(f"format must be 'auto', 'mooncake' or 'generic', got {format!r}")
+    if block_tokens is not None and block_tokens <= 0:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    path = Path(path)
+    try:
+        handle = path.open("r", encoding="utf-8")
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot read trace: {exc.strerror}") from None
+    make_key = _KeyMaker()
+    requests: list[list[BlockKey]] = []
+    tokens: list[int] = []
+    kind = None if format == "auto" else format
+    header_block_tokens: int | None = None
+    with handle:
+        for lineno, line in enumerate(handle, 1):
+            if limit is not None and len(requests) >= limit:
+                break
+            text = line.strip()
+            if not text:
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise TraceFormatError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(record, dict):
+                raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            if "kvtier_trace" in record:
+                if requests or kind == "mooncake":
+                    raise TraceFormatError(f"{where}: a kvtier_trace header must be the first line")
+                header_block_tokens = record.get("block_tokens", 16)
+                if not _is_int(header_block_tokens) or header_block_tokens <= 0:
+                    raise TraceFormatError(f"{where}: block_tokens must be a positive integer, "
+                                           f"got {header_block_tokens!r}")
+                kind = "generic"
+                continue
+            if kind is None:
+                kind = "mooncake" if "hash_ids" in record else "generic"
+            bt = block_tokens or (MOONCAKE_BLOCK_TOKENS if kind == "mooncake" else header_block_tokens or 16)
+            ids: Sequence[int | str]
+            if kind == "mooncake":
+                ids, count = _mooncake_request(record, where, bt)
+            else:
+                ids, count = _generic_request(record, where, bt)
+            requests.append([make_key(i) for i in ids])
+            tokens.append(count)
+    if kind is None:
+        kind = "generic" if format == "auto" else format
+    bt = block_tokens or (MOONCAKE_BLOCK_TOKENS if kind == "mooncake" else header_block_tokens or 16)
+    return Trace(name=path.name, format=kind, block_tokens=bt, requests=requests, tokens=tokens,
+                 distinct_blocks=len(make_key.keys))
+
+
+def _mooncake_request(record: dict[str, Any], where: str, block_tokens: int) -> tuple[list[int], int]:
+    ids = record.get("hash_ids")
+    if not isinstance(ids, list):
+        raise TraceFormatError(f"{where}: 'hash_ids' must be a list of block ids, got {ids!r}")
+    for i in ids:
+        if not _is_int(i) or not 0 <= i < 1 << 64:
+            raise TraceFormatError(f"{where}: hash_ids must be integers in [0, 2^64), got {i!r}")
+    length = record.get("input_length")
+    if not _is_int(length) or length < 0:
+        raise TraceFormatError(f"{where}: 'input_length' must be a non-negative integer, got {length!r}")
+    if -(-length // block_tokens) != len(ids):
+        raise TraceFormatError(
+            f"{where}: {len(ids)} hash_ids for input_length={length}, but {block_tokens} tokens per id "
+            f"needs {-(-length // block_tokens)}; set --block-tokens to the trace's block size")
+    return ids, length
+
+
+def _generic_request(record: dict[str, Any], where: str, block_tokens: int) -> tuple[list[int | str], int]:
+    ids = record.get("blocks")
+    if not isinstance(ids, list):
+        raise TraceFormatError(f"{where}: expected 'blocks': a list of block ids (or a Mooncake line with "
+                               f"'hash_ids'), got keys {sorted(record)}")
+    for i in ids:
+        if _is_int(i):
+            if not 0 <= i < 1 << 64:
+                raise TraceFormatError(f"{where}: integer block ids must be in [0, 2^64), got {i}")
+        elif not isinstance(i, str) or not i:
+            raise TraceFormatError(f"{where}: block ids must be integers or non-empty strings, got {i!r}")
+    count = record.get("tokens", len(ids) * block_tokens)
+    if not _is_int(count) or count < 0 or count > len(ids) * block_tokens:
+        raise TraceFormatError(f"{where}: 'tokens' must be an integer in [0, {len(ids) * block_tokens}] "
+                               f"({len(ids)} blocks of {block_tokens} tokens), got {count!r}")
+    return ids, count
+
+
+def parse_capacity(spec: str | int, distinct_blocks: int) -> int:
+    """``"5%"`` (of the trace's distinct blocks, rounded half up, at least 1) or a block count."""
+    text = str(spec).strip()
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1])
+            if not 0 < share <= 100 or math.isnan(share):
+                raise ValueError
+            return max(1, math.floor(distinct_blocks * share / 100 + 0.5))
+        blocks = int(text)
+    except ValueError:
+        raise ValueError(f"capacity {spec!r} is neither a block count nor a percentage like 5%") from None
+    if blocks <= 0:
+        raise ValueError(f"capacity must be a positive number of blocks, got {spec!r}")
+    return blocks
+
+
+# --- results ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class TierResult:
+    """What one tier did during a replay, in blocks (bytes = blocks × block bytes)."""
+
+    name: str
+    capacity_blocks: int
+    hits: int = 0  # prefix blocks served from this tier
+    written: int = 0  # stores, demotions in and promotions in
+    read: int = 0  # hits served plus demotions out
+    evicted: int = 0
+    promoted_in: int = 0
+    demoted_in: int = 0
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    capacities: list[int]
+    references: int
+    block_hits: int
+    prefix_hit_tokens: int
+    input_tokens: int
+    seconds: float
+    block_bytes: int
+    tiers: list[TierResult] = field(default_factory=list)
+
+    @property
+    def block_hit_ratio(self) -> float:
+        return self.block_hits / self.references if self.references else 0.0
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        return self.prefix_hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def refs_per_second(self) -> float:
+        return self.references / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def total_capacity(self) -> int:
+        return sum(self.capacities)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy, "capacity_blocks": self.capacities, "references": self.references,
+            "block_hits": self.block_hits, "block_hit_ratio": self.block_hit_ratio,
+            "prefix_hit_tokens": self.prefix_hit_tokens, "input_tokens": self.input_tokens,
+            "prefix_hit_ratio": self.prefix_hit_ratio, "seconds": self.seconds,
+            "refs_per_second": self.refs_per_second, "block_bytes": self.block_bytes,
+            "tiers": [{"name": t.name, "capacity_blocks": t.capacity_blocks, "hits": t.hits,
+                       "blocks_written": t.written, "blocks_read": t.read, "evicted": t.evicted,
+                       "promoted_in": t.promoted_in, "demoted_in": t.demoted_in,
+                       "bytes_written": t.written * self.block_bytes, "bytes_read": t.read * self.block_bytes}
+                      for t in self.tiers],
+        }
+
+
+# --- the harness -----------------------------------------------------------------------------------
+
+
+def next_uses(trace: Trace) -> list[int]:
+    """For each block reference (requests flattened), the index of the next reference of its key."""
+    flat = [key for request in trace.requests for key in request]
+    out = [NEVER] * len(flat)
+    later: dict[BlockKey, int] = {}
+    for i in range(len(flat) - 1, -1, -1):
+        key = flat[i]
+        out[i] = later.get(key, NEVER)
+        later[key] = i
+    return out
+
+
+ProgressFn = Callable[[int], None]
+
+
+def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: PlacementPolicy | None = None,
+           *, bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN, progress: ProgressFn | None = None,
+           future: list[int] | None = None) -> ReplayResult:
+    """Replay ``trace`` through tiers of ``capacities`` blocks (top first) under one eviction policy.
+
+    ``policy`` is an eviction policy name (``default`` = :data:`DEFAULT_EVICTION`) used in every
+    tier, or ``min`` for Belady's MIN (one tier only; ``future`` may pass :func:`next_uses` to save
+    recomputing it). ``placement`` defaults to write-back, admit-all, promote-to-top.
+    ``progress`` is called with the number of block references done so far, every few hundred
+    requests. Per request, as the cache does it: the leading cached blocks are hits (touched, and
+    promoted per the placement); the remaining blocks are stored (those still cached somewhere
+    only touched); every planned write and demotion then succeeds. A block *hit* is a block cached
+    (in any tier) when its request arrives; a *prefix hit* also needs every block before it cached.
+    """
+    if policy == "default":
+        policy = DEFAULT_EVICTION
+    if not capacities or any(c <= 0 for c in capacities):
+        raise ValueError(f"capacities must be positive block counts, got {list(capacities)}")
+    num_tiers = len(capacities)
+    if placement is None:
+        placement = PlacementPolicy([AdmitAll() for _ in range(num_tiers)])
+    elif placement.num_tiers != num_tiers:
+        raise ValueError(f"placement has rules for {placement.num_tiers} tiers but {num_tiers} capacities")
+    oracle: BeladyPolicy | None = None
+    if policy == MIN_POLICY:
+        if num_tiers != 1:
+            raise ValueError("Belady's MIN is defined for one tier; replay it at the total capacity")
+        oracle = BeladyPolicy()
+        indexes = [TierIndex("tier0", {0: capacities[0]}, {0: 1}, policies={0: oracle})]
+        if future is None:
+            future = next_uses(trace)
+    else:
+        indexes = [TierIndex(f"tier{t}", {0: cap}, {0: 1}, policy) for t, cap in enumerate(capacities)]
+    residency = Residency(indexes, placement)
+    tiers = [TierResult(index.name, cap) for index, cap in zip(indexes, capacities, strict=True)]
+    hits_in = [0] * num_tiers
+    block_tokens = trace.block_tokens
+    longest = max((len(r) for r in trace.requests), default=0)
+    hints = [InsertHint(position=j) for j in range(longest)]
+
+    locate_prefix = residency.locate_prefix
+    locate = residency.locate
+    touch = residency.touch
+    plan_store = residency.plan_store
+    finish_write = residency.finish_write
+    finish_demotion = residency.finish_demotion
+    should_promote = placement.should_promote
+    observe = oracle.observe if oracle is not None else None
+    entries0 = indexes[0].entries
+
+    block_hits = prefix_tokens = evicted0 = written0 = 0
+    done = base = 0
+    started = time.perf_counter()
+    for r, keys in enumerate(trace.requests):
+        n = len(keys)
+        if observe is not None:
+            assert future is not None
+            for j in range(n):
+                observe(keys[j], future[base + j])
+            base += n
+        found = locate_prefix(keys)
+        k0 = len(found)
+        if k0:
+            for j in range(k0):
+                touch(found[j], keys[j])
+            if num_tiers == 1:
+                hits_in[0] += k0
+            else:
+                for t in found:
+                    hits_in[t] += 1
+                _promote(residency, keys, found, hints, tiers, should_promote)
+            prefix_tokens += k0 * block_tokens if k0 < n else trace.tokens[r]
+        if k0 < n:
+            rest = keys[k0:] if k0 else keys
+            if num_tiers == 1:
+                block_hits += k0
+                for j in range(k0 + 1, n):
+                    if entries0.get(keys[j]) == READY:
+                        block_hits += 1
+                plan = plan_store(rest, hints[k0:n])
+                evicted0 += len(plan.drops[0])
+                writes = plan.writes[0]
+                written0 += len(writes)
+                for i in writes:
+                    finish_write(0, rest[i], True)
+            else:
+                block_hits += k0 + sum(1 for key in rest[1:] if locate(key) is not None)
+                plan = plan_store(rest, hints[k0:n])
+                _execute(plan, rest, tiers, finish_write, finish_demotion)
+        else:
+            block_hits += k0
+        done += n
+        if progress is not None and not r & 255:
+            progress(done)
+    seconds = time.perf_counter() - started
+    if progress is not None:
+        progress(done)
+    for t, tier in enumerate(tiers):
+        tier.hits = hits_in[t]
+        tier.read += hits_in[t]
+    if num_tiers == 1:
+        tiers[0].evicted += evicted0
+        tiers[0].written += written0
+    return ReplayResult(policy=policy, capacities=list(capacities), references=done, block_hits=block_hits,
+                        prefix_hit_tokens=prefix_tokens, input_tokens=trace.input_tokens, seconds=seconds,
+                        block_bytes=block_tokens * bytes_per_token, tiers=tiers)
+
+
+def _execute(plan: Any, keys: Sequence[BlockKey], tiers: list[TierResult],
+             finish_write: Callable[[int, BlockKey, bool], None],
+             finish_demotion: Callable[[int, int, BlockKey, bool], None]) -> None:
+    """Run a plan against nothing: demotions and drops bottom-up, then the writes; all succeed."""
+    for t in range(len(tiers) - 1, -1, -1):
+        for key, dst in plan.demotions[t]:
+            finish_demotion(t, dst, key, True)
+            tiers[t].read += 1
+            tiers[dst].written += 1
+            tiers[dst].demoted_in += 1
+        tiers[t].evicted += len(plan.drops[t])
+    for t, writes in enumerate(plan.writes):
+        tiers[t].written += len(writes)
+        for i in writes:
+            finish_write(t, keys[i], True)
+
+
+def _promote(residency: Residency, keys: Sequence[BlockKey], found: Sequence[int], hints: Sequence[InsertHint],
+             tiers: list[TierResult], should_promote: Callable[[int], bool]) -> None:
+    """Copy lower-tier hits up as the cache does (from the loaded bytes: no extra read)."""
+    todo = [j for j, t in enumerate(found) if should_promote(t)]
+    if not todo:
+        return
+    placement = residency.placement
+    target = placement.promote_to
+    sub = [keys[j] for j in todo]
+    plan = residency.plan_store(sub, [hints[j] for j in todo], only_tier=target)
+    _execute(plan, sub, tiers, residency.finish_write, residency.finish_demotion)
+    tiers[target].promoted_in += len(plan.writes[target])
+    if not placement.keep_lower_copy:
+        for i in plan.writes[target]:
+            residency.tiers[found[todo[i]]].discard(sub[i])
+
+
+def gap_closed(result: ReplayResult, baseline: ReplayResult, ceiling: ReplayResult) -> float | None:
+    """Share of the prefix-hit gap between a baseline and MIN that ``result`` closes (None: no gap)."""
+    gap = ceiling.prefix_hit_ratio - baseline.prefix_hit_ratio
+    if gap <= 1e-12:
+        return None
+    return (result.prefix_hit_ratio - baseline.prefix_hit_ratio) / gap
+
+
+# --- many runs, and their report ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One replay to do: an eviction policy over tiers of these capacities (blocks, top first)."""
+
+    policy: str
+    capacities: tuple[int, ...]
+
+
+def plan_runs(policies: Sequence[str], capacities: Sequence[int], tier_sets: Sequence[Sequence[int]] = (),
+              *, with_min: bool = True) -> list[RunSpec]:
+    """LRU, the requested policies and MIN at each single-tier capacity, then each multi-tier set
+    (MIN at its total capacity: the ceiling of any hierarchy that size)."""
+    names: list[str] = ["lru"]
+    for p in policies:
+        p = DEFAULT_EVICTION if p == "default" else p
+        if p not in names and p != MIN_POLICY:
+            names.append(p)
+    runs: list[RunSpec] = []
+    for cap in capacities:
+        runs.extend(RunSpec(p, (cap,)) for p in names)
+        if with_min:
+            runs.append(RunSpec(MIN_POLICY, (cap,)))
+    for caps in tier_sets:
+        runs.extend(RunSpec(p, tuple(caps)) for p in names)
+        if with_min and (sum(caps),) not in {r.capacities for r in runs if r.policy == MIN_POLICY}:
+            runs.append(RunSpec(MIN_POLICY, (sum(caps),)))
+    return runs
+
+
+def run_all(trace: Trace, runs: Sequence[RunSpec], placement: Callable[[int], PlacementPolicy | None],
+            *, bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN,
+            progress: Callable[[int, str], None] | None = None) -> list[ReplayResult]:
+    """Replay each run; ``placement(num_tiers)`` gives fresh placement rules (None: defaults).
+
+    ``progress(references_done_in_this_run, label)`` is called as runs advance.
+    """
+    future = next_uses(trace) if any(r.policy == MIN_POLICY for r in runs) else None
+    results = []
+    for run in runs:
+        label = f"{run.policy} @ {'+'.join(map(str, run.capacities))}"
+        tick = (lambda done, label=label: progress(done, label)) if progress is not None else None
+        rules = None if run.policy == MIN_POLICY or len(run.capacities) == 1 else placement(len(run.capacities))
+        results.append(replay(trace, run.policy, run.capacities, rules, bytes_per_token=bytes_per_token,
+                              progress=tick, future=future))
+    return results
+
+
+def _baselines(results: Sequence[ReplayResult], result: ReplayResult) -> tuple[ReplayResult | None,
+                                                                               ReplayResult | None]:
+    """The better of LRU/ARC with ``result``'s tier capacities, and MIN at its total capacity."""
+    best = ceiling = None
+    for r in results:
+        if r.policy == MIN_POLICY and r.capacities == [result.total_capacity]:
+            ceiling = r
+        elif (r.policy in ("lru", "arc") and r.capacities == result.capacities
+              and (best is None or r.prefix_hit_ratio > best.prefix_hit_ratio)):
+            best = r
+    return best, ceiling
+
+
+def _closed(results: Sequence[ReplayResult], result: ReplayResult) -> tuple[float | None, str | None]:
+    """Share of the gap between the better of LRU/ARC and MIN that ``result`` closes, and that baseline."""
+    if result.policy in ("lru", "arc", MIN_POLICY):
+        return None, None
+    best, ceiling = _baselines(results, result)
+    if best is None or ceiling is None:
+        return None, None
+    return gap_closed(result, best, ceiling), best.policy
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def results_table(trace: Trace, results: Sequence[ReplayResult]) -> Any:
+    """A :class:`rich.table.Table` of the results, grouped by capacity, baselines and MIN beside."""
+    from rich.table import Table
+
+    multi = any(len(r.capacities) > 1 for r in results)
+    table = Table(title=f"{trace.name}: {len(trace.requests):,} requests, {trace.references:,} block references, "
+                        f"{trace.distinct_blocks:,} distinct blocks of {trace.block_tokens} tokens",
+                  title_justify="left")
+    table.add_column("capacity (blocks)", justify="right")
+    table.add_column("policy")
+    table.add_column("block hit", justify="right")
+    table.add_column("prefix-hit tokens", justify="right")
+    table.add_column("vs LRU", justify="right")
+    table.add_column("gap to MIN closed", justify="right")
+    if multi:
+        table.add_column("hits per tier", justify="right")
+    table.add_column("written per tier", justify="right")
+    table.add_column("read per tier", justify="right")
+    table.add_column("refs/s", justify="right")
+    previous = None
+    for r in results:
+        shape = tuple(r.capacities)
+        if previous is not None and shape != previous:
+            table.add_section()
+        previous = shape
+        lru = next((x for x in results if x.policy == "lru" and tuple(x.capacities) == shape), None)
+        share, baseline = _closed(results, r)
+        closed = "" if share is None else f"{share:.0%} (from {baseline})"
+        delta = "" if lru is None or r is lru else f"{r.prefix_hit_ratio - lru.prefix_hit_ratio:+.4f}"
+        pct = "+".join(f"{c:,} ({100 * c / max(1, trace.distinct_blocks):.3g}%)" for c in r.capacities)
+        row = [pct, r.policy, f"{r.block_hit_ratio:.4f}", f"{r.prefix_hit_ratio:.4f}", delta, closed]
+        if multi:
+            row.append(" / ".join(f"{t.hits:,}" for t in r.tiers))
+        row.append(" / ".join(_size(t.written * r.block_bytes) for t in r.tiers))
+        row.append(" / ".join(_size(t.read * r.block_bytes) for t in r.tiers))
+        row.append(f"{r.refs_per_second / 1000:,.0f}k")
+        table.add_row(*row, style="dim" if r.policy == MIN_POLICY else None)
+    return table
+
+
+def results_json(trace: Trace, results: Sequence[ReplayResult]) -> dict[str, Any]:
+    """Everything in the table, for machines (ratios unrounded, sizes in blocks and bytes)."""
+    out = []
+    for r in results:
+        item = r.to_dict()
+        item["capacity_share"] = [c / max(1, trace.distinct_blocks) for c in r.capacities]
+        item["gap_closed"], item["gap_baseline"] = _closed(results, r)
+        out.append(item)
+    return {"trace": trace.summary(), "default_policy": DEFAULT_EVICTION, "results": out}
+
+
+def plot_results(trace: Trace, results: Sequence[ReplayResult], path: str | Path) -> Path:
+    """Hit ratio against capacity (% of distinct blocks, log scale), one line per policy; PNG/SVG/PDF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    single = [r for r in results if len(r.capacities) == 1]
+    shown = single or list(results)
+    policies = list(dict.fromkeys(r.policy for r in shown))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    for ax, (attr, label) in zip(axes, (("prefix_hit_ratio", "prefix-hit token ratio"),
+                                        ("block_hit_ratio", "block hit ratio")), strict=True):
+        for policy in policies:
+            points = sorted((100 * r.total_capacity / max(1, trace.distinct_blocks), getattr(r, attr))
+                            for r in shown if r.policy == policy)
+            xs, ys = zip(*points, strict=True)
+            style = {"color": "black", "linestyle": "--"} if policy == MIN_POLICY else {}
+            name = f"{policy} (default)" if policy == DEFAULT_EVICTION else policy
+            ax.plot(xs, ys, marker="o", label="Belady MIN" if policy == MIN_POLICY else name, **style)
+        ax.set_xscale("log")
+        shares = sorted({100 * r.total_capacity / max(1, trace.distinct_blocks) for r in shown})
+        ax.set_xticks(shares, [f"{x:.3g}" for x in shares])
+        ax.minorticks_off()
+        ax.set_xlabel("capacity (% of distinct blocks)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(loc="lower right", fontsize="small")
+    fig.suptitle(f"{trace.name} ({trace.references:,} block references)")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,187 @@
+"""``kvtier replay``: trace readers, the harness's numbers on fixtures, errors, and the command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.policy import EVICTION_POLICIES
+from kvtier.replay import (
+    TraceFormatError,
+    gap_closed,
+    next_uses,
+    parse_capacity,
+    plan_runs,
+    read_trace,
+    replay,
+    results_json,
+    run_all,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY = FIXTURES / "mooncake_tiny.jsonl"
+SLICE = FIXTURES / "mooncake_slice.jsonl"
+
+
+def test_mooncake_reader() -> None:
+    trace = read_trace(TINY)
+    assert trace.format == "mooncake" and trace.block_tokens == 512
+    assert len(trace.requests) == 6  # the blank line is skipped
+    assert trace.references == 20 and trace.distinct_blocks == 8 and trace.input_tokens == 9700
+    assert trace.requests[0][0] is trace.requests[5][0]  # one key object per id
+    assert len(read_trace(TINY, limit=2).requests) == 2
+
+
+def test_tiny_trace_gives_the_numbers_worked_out_by_hand() -> None:
+    """Capacity 4, LRU: see the request-by-request walk in the fixture's comment below."""
+    # r0 stores 0,1,2 | r1 hits 0,1 (1024 tokens), stores 3 | r2 hits 0 (512), stores 4 over 2 |
+    # r3 hits 0,1 (1024), stores 2,5 over 3,4 | r4 hits 0 (512), stores 4,6 over 1,2 |
+    # r5 hits 0 (512) and block 5 beyond the prefix, stores 1,2,5,7 over 5,4,6,0.
+    result = replay(read_trace(TINY), "lru", [4])
+    assert (result.block_hits, result.references) == (8, 20)
+    assert (result.prefix_hit_tokens, result.input_tokens) == (3584, 9700)
+    assert result.tiers[0].hits == 7 and result.tiers[0].written == 13 and result.tiers[0].evicted == 9
+    best = replay(read_trace(TINY), "min", [4])
+    assert (best.block_hits, best.prefix_hit_tokens) == (11, 5120)
+
+
+def test_mooncake_slice_known_numbers() -> None:
+    trace = read_trace(SLICE)
+    assert (len(trace.requests), trace.references, trace.distinct_blocks) == (300, 7710, 7069)
+    got = {p: replay(trace, p, [400]) for p in ("lru", "arc", "min")}
+    assert (got["lru"].block_hits, got["lru"].prefix_hit_tokens) == (352, 180224)
+    assert (got["arc"].block_hits, got["arc"].prefix_hit_tokens) == (405, 207360)
+    assert (got["min"].block_hits, got["min"].prefix_hit_tokens) == (595, 304640)
+    for policy in EVICTION_POLICIES:  # every policy lies between block 0 alone and MIN
+        result = replay(trace, policy, [400])
+        assert 299 <= result.block_hits <= got["min"].block_hits
+
+
+def test_generic_format(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"kvtier_trace": 1, "block_tokens": 4}\n'
+                    '{"blocks": [1, 2, 3], "tokens": 10, "timestamp": 0.5}\n'
+                    '{"blocks": ["sys", "a1"]}\n'
+                    '{"blocks": [1, 2, 9], "tokens": 12}\n')
+    trace = read_trace(path)
+    assert trace.format == "generic" and trace.block_tokens == 4
+    assert trace.tokens == [10, 8, 12] and trace.distinct_blocks == 6
+    result = replay(trace, "lru", [10])
+    assert result.block_hits == 2 and result.prefix_hit_tokens == 8
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"hash_ids": "12", "input_length": 5}', "'hash_ids' must be a list"),
+    ('{"hash_ids": [1, -2], "input_length": 600}', "integers in [0, 2^64)"),
+    ('{"hash_ids": [1, 2], "input_length": "long"}', "'input_length' must be"),
+    ('{"hash_ids": [1, 2], "input_length": 2000}', "set --block-tokens"),
+    ('{"hash_ids": [1], "input_length": 100}\n{"blocks": [1]}', "'hash_ids' must be a list"),
+    ('{"blocks": [1, true]}', "block ids must be integers or non-empty strings"),
+    ('{"blocks": [1, 2], "tokens": 1000}', "'tokens' must be an integer in [0, 32]"),
+    ('{"prompt": "hello"}', "expected 'blocks'"),
+    ('{"blocks": [1]}\n{"kvtier_trace": 1}', "header must be the first line"),
+])
+def test_bad_lines_are_reported_with_their_line_number(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"hash_ids": [7], "input_length": 100}\n\n' + line + "\n"
+                    if "hash_ids" in line.split("\n")[0] or "header" in message else line + "\n")
+    lineno = 3 if "hash_ids" in line.split("\n")[0] or "header" in message else 1
+    if "\n" in line:
+        lineno += 1
+    if "header" in message:
+        path.write_text(line + "\n")
+        lineno = 2
+    with pytest.raises(TraceFormatError) as info:
+        read_trace(path)
+    assert str(info.value).startswith(f"{path}:{lineno}: "), str(info.value)
+    assert message in str(info.value)
+
+
+def test_missing_trace_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="cannot read trace"):
+        read_trace(tmp_path / "nope.jsonl")
+
+
+def test_capacities() -> None:
+    assert parse_capacity("1%", 182_790) == 1828
+    assert parse_capacity("5%", 182_790) == 9140
+    assert parse_capacity("25%", 182_790) == 45698
+    assert parse_capacity("0.0001%", 10) == 1
+    assert parse_capacity("18279", 10) == 18279
+    for bad in ("0", "-3", "0%", "101%", "lots", "nan%"):
+        with pytest.raises(ValueError, match="capacity"):
+            parse_capacity(bad, 100)
+
+
+def test_runs_always_include_lru_and_min() -> None:
+    runs = plan_runs(["arc", "default"], [10, 20], [[5, 15]])
+    assert [(r.policy, r.capacities) for r in runs][:4] == [("lru", (10,)), ("arc", (10,)),
+                                                            ("lifetime", (10,)), ("min", (10,))]
+    assert ("min", (20,)) in [(r.policy, r.capacities) for r in runs]  # the ceiling of 5+15
+    assert [r.policy for r in runs if r.capacities == (5, 15)] == ["lru", "arc", "lifetime"]
+
+
+def test_next_uses_and_gap_closed() -> None:
+    trace = read_trace(TINY)
+    uses = next_uses(trace)
+    assert uses[0] == 3  # block 0 is next referenced by request 1, whose first block is reference 3
+    results = run_all(trace, plan_runs(["lifetime"], [4]), lambda n: None)
+    lru, default, ceiling = results[0], results[1], results[2]
+    assert gap_closed(lru, lru, ceiling) == 0.0
+    assert gap_closed(ceiling, lru, ceiling) == 1.0
+    doc = results_json(trace, results)
+    assert doc["trace"]["block_references"] == 20
+    assert [r["policy"] for r in doc["results"]] == ["lru", "lifetime", "min"]
+    assert doc["results"][0]["gap_closed"] is None and doc["results"][1]["gap_baseline"] == "lru"
+    assert default.references == 20
+
+
+def test_min_is_single_tier_only() -> None:
+    with pytest.raises(ValueError, match="one tier"):
+        replay(read_trace(TINY), "min", [2, 4])
+
+
+def test_command_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["replay", str(TINY), "--capacity", "4", "50%", "--policy", "arc", "default", "--json",
+                 "--no-progress"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["policy"], r["capacity_blocks"]) for r in doc["results"]] == [
+        ("lru", [4]), ("arc", [4]), ("lifetime", [4]), ("min", [4]),
+        ("lru", [4]), ("arc", [4]), ("lifetime", [4]), ("min", [4])]
+    assert doc["results"][0]["block_hit_ratio"] == 0.4
+
+
+def test_command_table_plot_and_tiers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot = tmp_path / "plot.png"
+    code = main(["replay", str(SLICE), "--capacity", "1%", "5%", "--tiers", "1%,5%", "--admission", "tinylfu",
+                 "--plot", str(plot)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "prefix-hit tokens" in out and "min" in out and "hits per tier" in out
+    assert plot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--policy", "clairvoyant"], "unknown policy"),
+    (["--capacity", "0"], "capacity"),
+    (["--tiers", "10"], "two or more"),
+    (["--tiers", "1,2", "--admission", "a,b,c"], "--admission"),
+    (["--tiers", "1,2", "--admission", "third_sighting"], "--admission[1]"),
+    (["--tiers", "1,2", "--promote-to", "5"], "promote_to"),
+])
+def test_command_rejects_bad_arguments(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(TINY), "--no-progress", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_command_reports_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"hash_ids": [1], "input_length": 10}\n{"hash_ids": [1], "input_length": -1}\n')
+    assert main(["replay", str(bad), "--no-progress"]) == 2
+    assert f"{bad}:2:" in capsys.readouterr().err
