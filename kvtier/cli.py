@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvtier.cli_replay import add_replay_parser
 from kvtier.errors import KVTierConfigError
 
 console = Console(width=max(Console().width, 120))
@@ -237,12 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.set_defaults(func=cmd_stats)
 
-    try:
-        from kvtier.cli_replay import add_replay_parser
-    except ImportError:
-        pass
-    else:
-        add_replay_parser(sub)
+    add_replay_parser(sub)
     return parser
 
 

@@ -47,7 +47,7 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="tokens per block id (default: 512 for Mooncake, the header's or 16 for generic)")
     p.add_argument("--capacity", nargs="+", default=None, metavar="CAP",
                    help="single-tier capacities: block counts or %% of the trace's distinct blocks "
-                        f"(default: {' '.join(DEFAULT_CAPACITIES)} unless --tiers is given)")
+                        f"(default: {' '.join(DEFAULT_CAPACITIES).replace('%', '%%')} unless --tiers is given)")
     p.add_argument("--tiers", nargs="+", default=[], metavar="CAP,CAP[,...]",
                    help="multi-tier capacities, top tier first (e.g. 1%%,10%%); each value is one hierarchy")
     p.add_argument("--policy", nargs="+", default=["default"], metavar="NAME",

@@ -58,3 +58,11 @@ def test_check_never_prints_a_redis_password(tmp_path: Path, capsys: pytest.Capt
     assert main(["check", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "s3cret" not in out and "hunter2" not in out
+
+
+@pytest.mark.parametrize("command", ["demo", "check", "stats", "replay"])
+def test_every_subcommand_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: kvtier" in capsys.readouterr().out
