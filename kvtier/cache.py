@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from kvtier.blocks import BlockKey, KVCacheSpec
-from kvtier.errors import LayoutMismatch
+from kvtier.codec import MAX_HASH_BYTES
+from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats, TierActivity, TierStats
 from kvtier.policy import InsertHint
@@ -137,7 +138,7 @@ class AsyncTieredCache:
         buffers = self._byte_blocks(keys, out, "out")
         self._counts["loads"] += 1
         self._counts["load_blocks"] += len(keys)
-        where = await self._locate(keys)
+        where = self._still_ready(keys, await self._locate(keys))
         n = len(where)
         for t, key in zip(where, keys, strict=False):
             self.residency.tiers[t].pin(key)
@@ -150,11 +151,13 @@ class AsyncTieredCache:
                 self._safe_io(t, "get", [keys[i] for i in idx], [buffers[i] for i in idx])
                 for t, idx in by_tier.items()))
             for (t, idx), res in zip(by_tier.items(), results, strict=True):
+                failed = []
                 for i, hit in zip(idx, res, strict=True):
                     ok[i] = hit
                     if not hit:
                         self._activity[t].corrupt_or_lost += 1
-                        self.residency.forget(t, keys[i])
+                        failed.append(keys[i])
+                await self._forget_lost(t, failed)
         finally:
             for t, key in zip(where, keys, strict=False):
                 self.residency.tiers[t].unpin(key)
@@ -217,6 +220,7 @@ class AsyncTieredCache:
                                      f"pass one tensor per block")
             if not keys:
                 return []
+            _check_device(blocks, what)
             rows = self.layouts[keys[0].group_id].check_blocks(blocks, what)
             return list(rows.unbind(0))
         if len(blocks) != len(keys):
@@ -224,6 +228,9 @@ class AsyncTieredCache:
         out = []
         for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
             layout = self.layouts[key.group_id]
+            if not isinstance(block, torch.Tensor):
+                raise LayoutMismatch(f"{what}[{i}] must be a torch.Tensor, got {type(block).__name__}")
+            _check_device(block, f"{what}[{i}]")
             out.append(layout.check_blocks(block.unsqueeze(0), f"{what}[{i}]")[0])
         return out
 
@@ -231,9 +238,32 @@ class AsyncTieredCache:
         for key in keys:
             if not isinstance(key, BlockKey):
                 raise TypeError(f"keys must be BlockKey, got {type(key).__name__}")
+            if type(key.block_hash) is not bytes or not 0 < len(key.block_hash) <= MAX_HASH_BYTES:
+                raise TypeError(f"BlockKey.block_hash must be 1 to {MAX_HASH_BYTES} bytes, got "
+                                f"{type(key.block_hash).__name__} of length {_length(key.block_hash)}")
+            if type(key.group_id) is not int:
+                raise TypeError(f"BlockKey.group_id must be an int, got {type(key.group_id).__name__}")
             if key.group_id not in self.layouts:
                 raise LayoutMismatch(f"{key} names group {key.group_id}; the model's groups are "
                                      f"{sorted(self.layouts)}")
+
+    def _still_ready(self, keys: Sequence[BlockKey], where: list[int]) -> list[int]:
+        """Cut ``where`` at the first local copy that stopped being READY while ``_locate`` awaited a
+        remote tier (evicted, or rewritten and pending): a load must pin only what it can read."""
+        for i, t in enumerate(where):
+            if not self.tiers[t].self_evicting and not self.residency.tiers[t].is_ready(keys[i]):
+                return where[:i]
+        return where
+
+    async def _forget_lost(self, t: int, keys: list[BlockKey]) -> None:
+        """Drop blocks a tier failed to return from the index, unless the tier still holds them (an I/O
+        error, not a lost block): those stay indexed and are retried by later loads (§8.3)."""
+        if not keys or self.tiers[t].self_evicting:
+            return
+        held = await self._safe_io(t, "contains", keys)
+        for key, still in zip(keys, held, strict=True):
+            if not still:
+                self.residency.forget(t, key)
 
     async def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
         """Tier of each leading cached key (top-most copy); asks self-evicting tiers for the rest."""
@@ -263,7 +293,8 @@ class AsyncTieredCache:
         assert self._mutation is not None
         async with self._mutation:
             sub_keys = [keys[i] for i in todo]
-            plan = self.residency.plan_store(sub_keys, None, only_tier=target)
+            hints = [InsertHint(position=i) for i in todo]  # positions in the request's chain
+            plan = self.residency.plan_store(sub_keys, hints, only_tier=target)
             done = await self._execute(plan, sub_keys, [buffers[i] for i in todo])
             self._activity[target].promotions_in += len(done)
             if not placement.keep_lower_copy:
@@ -289,8 +320,13 @@ class AsyncTieredCache:
         stored: set[int] = set()
         writes = [(t, idx) for t, idx in enumerate(plan.writes) if idx]
         results = await asyncio.gather(*(
-            self._safe_io(t, "put", [keys[i] for i in idx], [buffers[i] for i in idx]) for t, idx in writes))
+            self._safe_io(t, "put", [keys[i] for i in idx], [buffers[i] for i in idx]) for t, idx in writes),
+            return_exceptions=True)
+        refused: BaseException | None = None  # a tier refused the caller's buffers (LayoutMismatch)
         for (t, idx), res in zip(writes, results, strict=True):
+            if isinstance(res, BaseException):
+                refused = refused or res
+                res = [False] * len(idx)  # settle the plan's entries before raising: nothing leaks
             for i, ok in zip(idx, res, strict=True):
                 self.residency.finish_write(t, keys[i], ok)
                 if ok:
@@ -298,6 +334,8 @@ class AsyncTieredCache:
                     self._activity[t].stores += 1
                 else:
                     self._activity[t].failed_stores += 1
+        if refused is not None:
+            raise refused
         return sorted(stored)
 
     async def _demote(self, src: int, moves: list[tuple[BlockKey, int]]) -> None:
@@ -359,6 +397,18 @@ class AsyncTieredCache:
             log.warning("tier %s: delete of %d blocks failed: %r", tier.name, len(keys), exc)
 
 
+def _check_device(blocks: torch.Tensor, what: str) -> None:
+    if blocks.device.type == "meta":
+        raise LayoutMismatch(f"{what} is on the meta device: it has no data to store or load into")
+
+
+def _length(value: object) -> str:
+    try:
+        return str(len(value))  # type: ignore[arg-type]
+    except TypeError:
+        return "-"
+
+
 class TieredCache:
     """Blocking face of :class:`AsyncTieredCache`; its coroutines run on a private loop thread.
 
@@ -380,7 +430,12 @@ class TieredCache:
 
             address, port = core.metrics_endpoint
             namespace = core.namespace.id if core.namespace else ""
-            self.metrics_server = MetricsServer(self.stats, port, address, namespace)
+            try:
+                self.metrics_server = MetricsServer(self.stats, port, address, namespace)
+            except OSError as exc:  # the port is taken: stop what started, nothing half-starts (§8.4)
+                self.close()
+                raise KVTierConfigError("metrics.port", f"cannot serve metrics on {address}:{port}: "
+                                                        f"{exc.strerror or exc}") from None
 
     @classmethod
     def from_config(cls, config: str | Path | dict[str, Any] | Any) -> TieredCache:

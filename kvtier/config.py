@@ -11,12 +11,13 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvtier.blocks import KVCacheSpec, KVGroup, resolve_block_size_factor
-from kvtier.errors import KVTierConfigError, LayoutMismatch
+from kvtier.errors import KVTierConfigError, LayoutMismatch, TierUnavailable
 from kvtier.hashing import Namespace
 from kvtier.layout import BlockLayout, dtype_name, parse_dtype
 
@@ -95,15 +96,15 @@ class GroupConfig(_Strict):
 class TierBase(_SizeMixin):
     name: str | None = None
     capacity: Size
-    eviction: str = "lru"
-    admission: Literal["always", "second_sighting"] = "always"
+    eviction: str = "default"
+    admission: Literal["always", "second_sighting", "tinylfu"] = "always"
 
     @field_validator("eviction")
     @classmethod
     def _eviction(cls, value: str) -> str:
         from kvtier.policy import EVICTION_POLICIES
 
-        if value not in EVICTION_POLICIES:
+        if value != "default" and value not in EVICTION_POLICIES:
             raise ValueError(f"unknown eviction policy {value!r}; known: {sorted(EVICTION_POLICIES)}")
         return value
 
@@ -134,12 +135,38 @@ class CircuitBreakerConfig(_Strict):
     cooldown_seconds: float = Field(default=5.0, gt=0)
 
 
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+#: Keys whose values are never shown in an error message (nor in the config's repr).
+_SECRET_KEYS = ("password", "url")
+
+
+def expand_env(value: Any) -> Any:
+    """``${NAME}`` in a string → the environment variable ``NAME`` (so secrets stay out of config files).
+
+    Only the braced form is expanded (a ``$`` elsewhere is kept, passwords may contain it); an unset
+    variable is an error naming it.
+    """
+    if not isinstance(value, str):
+        return value
+
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise ValueError(f"environment variable {name} is not set")
+        return os.environ[name]
+
+    return _ENV_REFERENCE.sub(one, value)
+
+
 class RedisTierConfig(_Strict):
-    """Redis evicts on its own (``maxmemory``), so this tier has no capacity or eviction keys."""
+    """Redis evicts on its own (``maxmemory``), so this tier has no capacity or eviction keys.
+
+    ``url``, ``username``, ``password`` and ``tls_ca_file`` may name environment variables as ``${NAME}``.
+    """
 
     type: Literal["redis"]
     name: str | None = None
-    url: str | None = None
+    url: str | None = Field(default=None, repr=False)
     cluster: bool = False
     startup_nodes: list[str] | None = None
     username: str | None = None
@@ -151,7 +178,28 @@ class RedisTierConfig(_Strict):
     timeout: float = Field(default=2.0, gt=0)
     max_connections: int = Field(default=16, gt=0)
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
-    admission: Literal["always", "second_sighting"] = "always"
+    admission: Literal["always", "second_sighting", "tinylfu"] = "always"
+
+    @field_validator("url", "username", "password", "tls_ca_file", mode="before")
+    @classmethod
+    def _from_environment(cls, value: Any) -> Any:
+        return expand_env(value)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        parsed = urlsplit(value)
+        try:
+            parsed.port  # noqa: B018 - parsing the port is the check
+            int(parsed.path.strip("/") or 0)
+        except ValueError:
+            raise ValueError("expected redis://[user:password@]host:port/db; the port or database "
+                             "number is not a number") from None
+        if parsed.scheme not in ("redis", "rediss"):
+            raise ValueError("expected redis://[user:password@]host:port/db, or rediss://… for TLS")
+        return value
 
     @model_validator(mode="after")
     def _where(self) -> RedisTierConfig:
@@ -245,7 +293,7 @@ def read_config_mapping(source: str | Path | Mapping[str, Any] | KVTierConfig, w
             raise KVTierConfigError(where, f"cannot read config file {path}: {exc.strerror}") from None
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: a scalar YAML resolves but cannot build (2001-13-01)
         raise KVTierConfigError(where, f"invalid YAML: {exc}") from None
     if not isinstance(data, Mapping):
         raise KVTierConfigError(where or "<root>", f"expected a mapping of config keys, got {type(data).__name__}")
@@ -264,7 +312,8 @@ def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:
         err = exc.errors()[0]
         loc = _format_loc(err["loc"])
         value = err.get("input")
-        shown = "" if isinstance(value, Mapping) else f" (got {value!r})"
+        secret = loc.rsplit(".", 1)[-1] in _SECRET_KEYS
+        shown = "" if isinstance(value, Mapping) or secret else f" (got {value!r})"
         more = f" [and {len(exc.errors()) - 1} more errors]" if len(exc.errors()) > 1 else ""
         raise KVTierConfigError(loc, f"{err['msg']}{shown}{more}") from None
     build_spec(cfg)  # block-size rules are checked now, not at first store
@@ -320,7 +369,7 @@ def build_cache_parts(cfg: KVTierConfig) -> tuple[Any, ...]:
         tiers.append(tier)
         block_bytes = {g: layout.nbytes for g, layout in layouts.items()}
         indexes.append(TierIndex(name, tier.capacity_bytes, block_bytes,
-                                 getattr(tc, "eviction", "lru"), self_evicting=tier.self_evicting))
+                                 getattr(tc, "eviction", "default"), self_evicting=tier.self_evicting))
         admissions.append(make_admission_policy(tc.admission, cfg.placement.admission_history))
     p = cfg.placement
     placement = PlacementPolicy(admission=admissions, write_mode=p.write_mode, promote_on_hit=p.promote_on_hit,
@@ -331,7 +380,6 @@ def build_cache_parts(cfg: KVTierConfig) -> tuple[Any, ...]:
 def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCacheSpec, namespace: Namespace,
                 path: str) -> Any:
     if isinstance(tc, GpuTierConfig):
-        from kvtier.errors import TierUnavailable
         from kvtier.tiers.gpu import GpuTier
 
         try:
@@ -341,8 +389,12 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
     if isinstance(tc, CpuTierConfig):
         from kvtier.tiers.cpu import CpuTier
 
-        return CpuTier(name, layouts, split_capacity(tc.capacity, spec),
-                       pinned=None if tc.pinned == "auto" else tc.pinned)
+        try:
+            return CpuTier(name, layouts, split_capacity(tc.capacity, spec),
+                           pinned=None if tc.pinned == "auto" else tc.pinned)
+        except OSError as exc:  # the host cannot map that much memory
+            raise KVTierConfigError(f"{path}.capacity", f"cannot reserve {tc.capacity} bytes of host memory: "
+                                                        f"{exc.strerror or exc}") from None
     if isinstance(tc, FileTierConfig):
         from kvtier.tiers.file import FileTier
 
@@ -351,8 +403,10 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
             return FileTier(name, layouts, split_capacity(tc.capacity, spec), root=root, namespace=namespace.id,
                             compression=tc.compression, direct_io=tc.direct_io, io_threads=tc.io_threads,
                             fsync=tc.fsync)
-        except OSError as exc:
-            raise KVTierConfigError(f"{path}.path", f"cannot use {str(root)!r}: {exc.strerror or exc}") from None
+        except KVTierConfigError as exc:  # e.g. a directory another user controls: keyed by this tier
+            raise KVTierConfigError(f"{path}.{exc.path}", str(exc).removeprefix(f"{exc.path}: ")) from None
+        except (OSError, TierUnavailable) as exc:
+            raise KVTierConfigError(f"{path}.path", f"cannot use {str(root)!r}: {exc}") from None
     from kvtier.tiers.redis import RedisTier
 
     kwargs = tc.model_dump(exclude={"type", "name", "admission"})

@@ -31,7 +31,7 @@ class TierIndex:
     """
 
     def __init__(self, name: str, capacity: Mapping[int, int], block_bytes: Mapping[int, int],
-                 eviction: str = "lru", *, self_evicting: bool = False,
+                 eviction: str = "default", *, self_evicting: bool = False,
                  policies: Mapping[int, EvictionPolicy] | None = None) -> None:
         self.name = name
         self.self_evicting = self_evicting
@@ -184,7 +184,7 @@ class Residency:
         for i, key in enumerate(keys):
             hint = hints[i] if hints is not None else InsertHint(position=i)
             targets = [only_tier] if only_tier is not None else range(len(self.tiers))
-            placed = False
+            placed = wrote = False
             for t in targets:
                 index = self.tiers[t]
                 if key in index.entries:
@@ -193,16 +193,18 @@ class Residency:
                     if write_through:
                         continue
                     break
+                if key in index.pins:
+                    continue  # a load still reads an older copy here: never overwrite it (§8.2)
                 if not index.fits(key.group_id) or not self.placement.admission[t].admit(key):
                     continue
                 if not self._make_room(t, key.group_id, plan):
                     continue
                 index.add(key, hint, ready=False)
                 plan.writes[t].append(i)
-                placed = True
+                placed = wrote = True
                 if not write_through:
                     break
-            if placed and not any(i in w for w in plan.writes):
+            if placed and not wrote:
                 plan.skipped.append(i)
         return plan
 
@@ -227,6 +229,8 @@ class Residency:
             lower = self.tiers[u]
             if key in lower.entries:
                 return None  # a copy already lives below (inclusive caching): nothing to write
+            if key in lower.pins:
+                continue  # a load still reads an older copy there: never overwrite it (§8.2)
             if not lower.fits(key.group_id) or not self.placement.admission[u].admit(key):
                 continue
             if self._make_room(u, key.group_id, plan):

@@ -154,7 +154,10 @@ class FileTier(Tier):
     Construction creates ``root/namespace`` (0700), probes ``O_DIRECT``, removes leftover temporary
     files and rebuilds the index by scanning the tree and validating each file's size and header page
     (invalid files are deleted; directories of groups not in ``layouts`` are left alone). It blocks
-    for that scan and raises :class:`TierUnavailable` if the directory cannot be created or written.
+    for that scan and raises :class:`TierUnavailable` if the directory cannot be created or written, and
+    :class:`KVTierConfigError` (key ``path``) if another user could control it: ``root`` or its
+    namespace directory a symbolic link or owned by someone else, or ``root`` reached through a
+    symbolic link owned by neither this user nor root.
 
     Operations on one key must not overlap (the cache pins keys in flight); a batch may name a key
     twice, and the last occurrence wins.
@@ -176,7 +179,7 @@ class FileTier(Tier):
             raise KVTierConfigError("namespace", f"{namespace!r} is not a usable directory name")
         if io_threads < 1:
             raise KVTierConfigError("io_threads", f"must be at least 1, got {io_threads}")
-        self.root = Path(root)
+        self.root = Path(os.path.abspath(root))  # the path checked below is the path used
         self.namespace = namespace
         self.directory = self.root / namespace
         self._directory = str(self.directory)
@@ -197,13 +200,18 @@ class FileTier(Tier):
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-file-{name}")
         try:
             self._make_dir(self.root, parents=True)
+            self._refuse_unsafe(self.root, ancestors=True)
             self._make_dir(self.directory)
+            self._refuse_unsafe(self.directory, ancestors=False)
             if direct_io:
                 self._probe_direct_io()
             self._scan()
         except OSError as exc:
             self._executor.shutdown(wait=False)
             raise TierUnavailable(f"file tier {name!r} cannot use {self.directory}: {exc}") from exc
+        except KVTierConfigError:
+            self._executor.shutdown(wait=False)
+            raise
 
     # --- public API ------------------------------------------------------------------------------
     @property
@@ -216,9 +224,13 @@ class FileTier(Tier):
 
         Called by the cache after it made room; blocks on nothing but the I/O threads. A block whose
         write fails (ENOSPC, EIO, any OSError) is ``False``: no temporary file is left and any older
-        version of that key is deleted. Raises only :class:`LayoutMismatch` for wrong buffers.
+        version of that key is deleted. Raises only :class:`LayoutMismatch` for wrong buffers and
+        ``ValueError`` for a block hash that is not ``bytes`` of at most 64 (before any I/O).
         """
         self.check_buffers(keys, blocks, "blocks")
+        for key in keys:
+            if type(key.block_hash) is not bytes or len(key.block_hash) > MAX_HASH_BYTES:
+                raise ValueError(f"a block hash must be at most {MAX_HASH_BYTES} bytes, got {key.block_hash!r:.80}")
         arrays = [self._host_array(block, "blocks") for block in blocks]
         last = {key: i for i, key in enumerate(keys)}
         loop = asyncio.get_running_loop()
@@ -299,10 +311,41 @@ class FileTier(Tier):
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, DIR_MODE)
 
+    def _refuse_unsafe(self, directory: Path, *, ancestors: bool) -> None:
+        """Raise :class:`KVTierConfigError` for a directory another user could control.
+
+        Refused: ``directory`` itself a symbolic link or not owned by this user; with ``ancestors``, a
+        path through a symbolic link owned by neither this user nor root (root's own links, like
+        macOS's ``/var``, are system layout). Whoever controls the cache directory can read the KV
+        cache (the prompts, in another form) or plant blocks in it: the checksum catches damage, not
+        forgery.
+        """
+        euid = os.geteuid()
+        if ancestors:
+            current = Path(directory.anchor)
+            for part in directory.parts[1:-1]:
+                current = current / part
+                info = os.lstat(current)
+                if stat.S_ISLNK(info.st_mode) and info.st_uid not in (0, euid):
+                    raise KVTierConfigError("path", f"{self.root} is reached through the symbolic link {current}, "
+                                                    f"owned by uid {info.st_uid}; give a path without it")
+        info = os.lstat(directory)
+        if stat.S_ISLNK(info.st_mode):
+            raise KVTierConfigError("path", f"{directory} is a symbolic link (to {os.readlink(directory)}); "
+                                            f"give the directory itself")
+        if info.st_uid != euid:
+            raise KVTierConfigError("path", f"{directory} is owned by uid {info.st_uid}, not by this user "
+                                            f"(uid {euid}): another user could read the cache or plant blocks "
+                                            f"in it; use a directory of your own")
+
     def _ensure_dirs(self, shard: str) -> None:
         if shard in self._made_dirs:
             return
-        self._make_dir(os.path.dirname(shard))
+        try:
+            self._make_dir(os.path.dirname(shard))
+        except FileNotFoundError:  # the namespace directory was removed under the tier: make it again
+            self._make_dir(self.directory)  # (not the root: whoever made it again there may not be us)
+            self._make_dir(os.path.dirname(shard))
         self._make_dir(shard)
         self._made_dirs.add(shard)
 
