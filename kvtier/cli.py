@@ -33,7 +33,7 @@ def _gib(n: int) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from kvtier.config import build_namespace, build_spec, load_config, split_capacity, tier_name
+    from kvtier.config import build_namespace, build_spec, load_config, redact_url, split_capacity, tier_name
 
     try:
         cfg = load_config(args.config)
@@ -58,7 +58,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     tiers = Table("#", "tier", "type", "capacity", "blocks/group", "eviction", "admission", "where")
     for i, t in enumerate(cfg.tiers):
         if t.type == "redis":
-            where = ", ".join(t.startup_nodes or []) if t.cluster else _redact_url(t.url or "")
+            where = ", ".join(t.startup_nodes or []) if t.cluster else redact_url(t.url or "")
             tiers.add_row(str(i), tier_name(t, i), "redis" + (" cluster" if t.cluster else ""),
                           "server maxmemory", "-", "server", t.admission, where)
             continue
@@ -71,16 +71,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     console.print(f"placement: {p.write_mode}, promote_on_hit={p.promote_on_hit} (to tier {p.promote_to}), "
                   f"keep_lower_copy={p.keep_lower_copy}")
     return 0
-
-
-def _redact_url(url: str) -> str:
-    """Hide a password in ``redis://user:password@host``."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        creds, host = rest.rsplit("@", 1)
-        user = creds.split(":", 1)[0]
-        return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
-    return url
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -140,6 +140,16 @@ _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SECRET_KEYS = ("password", "url")
 
 
+def redact_url(url: str) -> str:
+    """Hide a password in ``redis://user:password@host``."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
+    return url
+
+
 def expand_env(value: Any) -> Any:
     """``${NAME}`` in a string → the environment variable ``NAME`` (so secrets stay out of config files).
 

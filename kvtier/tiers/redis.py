@@ -83,6 +83,7 @@ from kvtier.codec import (
     encode_block,
     verify_payload,
 )
+from kvtier.config import redact_url
 from kvtier.errors import CorruptBlock, KVTierConfigError, LayoutMismatch
 from kvtier.layout import BlockLayout
 from kvtier.tiers.base import Tier
@@ -347,6 +348,8 @@ class _Connection:
                 size = int(line[1:])
                 if size < 0:
                     return None
+                if size > _MAX_LINE:  # no small reply is this long: never allocate what a server claims
+                    raise _ProtocolError(f"bulk reply of {size} bytes where a small reply was expected")
                 data = bytearray(size)
                 self.read_into(memoryview(data))
                 self.expect_crlf()
@@ -719,12 +722,12 @@ class RedisTier(Tier):
 
         parsed = urlsplit(url or DEFAULT_URL)
         if parsed.scheme not in ("redis", "rediss"):
-            raise KVTierConfigError("url", f"must be redis://host:port/db or rediss://… (TLS), got {url!r}")
+            raise KVTierConfigError("url", f"must be redis://host:port/db or rediss://… (TLS), got {redact_url(url or '')!r}")
         try:
             port = parsed.port or 6379
             db = int(parsed.path.strip("/") or 0)
         except ValueError:
-            raise KVTierConfigError("url", f"{url!r} has a bad port or database number") from None
+            raise KVTierConfigError("url", f"{redact_url(url or '')!r} has a bad port or database number") from None
         self.username = username if username is not None else (unquote(parsed.username) if parsed.username else None)
         self.password = password if password is not None else (unquote(parsed.password) if parsed.password else None)
         self.tls = parsed.scheme == "rediss" or tls_ca_file is not None

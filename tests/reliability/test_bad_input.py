@@ -434,10 +434,6 @@ def test_a_server_claiming_a_huge_value_allocates_nothing_and_times_out() -> Non
     assert peak < 16 << 20, f"{peak} bytes allocated for a value claimed to be 1 TiB"
 
 
-@pytest.mark.xfail(strict=True, reason="kvtier/tiers/redis.py _Connection.read_simple allocates bytearray(n) for a "
-                                       "bulk reply of n bytes (to EXISTS, UNLINK, AUTH) before checking the reply "
-                                       "type; a broken or hostile server can make it allocate and zero-fill "
-                                       "gigabytes")
 def test_a_server_answering_exists_with_a_huge_bulk_allocates_nothing() -> None:
     server = _LyingServer(256 << 20)
     tier = RedisTier("redis", {0: LAYOUT}, namespace="lying", url=f"redis://127.0.0.1:{server.port}/0",
