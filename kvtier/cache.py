@@ -203,7 +203,7 @@ class AsyncTieredCache:
                 write_seconds=c.write_seconds,
                 usage_bytes=(tier.usage_bytes() if tier.self_evicting else self.residency.tiers[t].usage()),
                 capacity_bytes=sum(tier.capacity_bytes.values()), errors=dict(c.errors),
-                latency={op: h.copy() for op, h in a.latency.items()}))
+                latency={op: h.copy() for op, h in a.latency.items()}, health=tier.health))
         return CacheStats(tiers=tuple(tiers), **self._counts)
 
     # --- internals ------------------------------------------------------------------------------------

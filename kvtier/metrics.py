@@ -73,6 +73,8 @@ class TierStats:
     capacity_bytes: int
     errors: dict[str, int] = field(default_factory=dict)
     latency: dict[str, LatencyHistogram] = field(default_factory=dict)
+    #: ``"ok"`` or why the tier is degraded (circuit open, writes failing)
+    health: str = "ok"
 
     @property
     def read_gbps(self) -> float:

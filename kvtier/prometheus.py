@@ -59,6 +59,8 @@ class KVTierCollector(Collector):
         errors = CounterMetricFamily(f"{PREFIX}_tier_errors", "tier errors by kind", labels=[*labels, "error"])
         usage = GaugeMetricFamily(f"{PREFIX}_tier_usage_bytes", "bytes held (raw block size)", labels=labels)
         capacity = GaugeMetricFamily(f"{PREFIX}_tier_capacity_bytes", "configured capacity", labels=labels)
+        healthy = GaugeMetricFamily(f"{PREFIX}_tier_healthy", "1 when the tier works, 0 while degraded",
+                                    labels=labels)
         latency = HistogramMetricFamily(f"{PREFIX}_tier_op_seconds", "latency of batched tier operations",
                                         labels=[*labels, "op"])
         for t in stats.tiers:
@@ -66,6 +68,7 @@ class KVTierCollector(Collector):
             for kind, count in sorted(t.errors.items()):
                 errors.add_metric([*base, kind], count)
             usage.add_metric(base, t.usage_bytes)
+            healthy.add_metric(base, 1 if t.health == "ok" else 0)
             capacity.add_metric(base, t.capacity_bytes)
             for op, hist in sorted(t.latency.items()):
                 cumulative, buckets = 0, []
@@ -73,7 +76,7 @@ class KVTierCollector(Collector):
                     cumulative += count
                     buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
                 latency.add_metric([*base, op], buckets, hist.total_seconds)
-        yield from (errors, usage, capacity, latency)
+        yield from (errors, usage, capacity, healthy, latency)
 
 
 class MetricsServer:

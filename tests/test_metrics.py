@@ -68,3 +68,29 @@ def test_latency_histograms_in_the_python_stats(two_tier_config: dict[str, Any])
         cache.store(make_keys(2), random_blocks(2, small_layout()))
         cpu = cache.stats().tiers[0]
         assert cpu.latency["put"].count == 1 and sum(cpu.latency["put"].counts) == 1
+
+
+def test_a_degraded_tier_logs_once_per_state_change(two_tier_config: dict[str, Any],
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+    import logging
+    import os
+
+    layout = small_layout()
+    two_tier_config["placement"] = {"write_mode": "write_through"}
+    real_pwritev = os.pwritev
+
+    def disk_full(*args: Any, **kwargs: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with TieredCache.from_config(two_tier_config) as cache, caplog.at_level(logging.WARNING, "kvtier.tiers"):
+        monkeypatch.setattr(os, "pwritev", disk_full)
+        for start in range(0, 12, 3):
+            cache.store(make_keys(3, start=start), random_blocks(3, layout))
+        assert cache.stats().tiers[1].health == "writes failing (enospc)"
+        monkeypatch.setattr(os, "pwritev", real_pwritev)
+        cache.store(make_keys(2, start=100), random_blocks(2, layout))
+        assert cache.stats().tiers[1].health == "ok"
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvtier.tiers"]
+    assert len(lines) == 2 and "degraded" in lines[0] and "recovered" in lines[1]

@@ -14,6 +14,7 @@ counted error. They raise only for programming errors (wrong buffer size, unknow
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ import torch
 from kvtier.blocks import BlockKey
 from kvtier.errors import LayoutMismatch
 from kvtier.layout import BlockLayout
+
+log = logging.getLogger("kvtier.tiers")
 
 
 @dataclass
@@ -62,6 +65,8 @@ class Tier(ABC):
         self.layouts = dict(layouts)
         self.capacity_bytes = dict(capacity_bytes)
         self.counters = TierCounters()
+        #: ``"ok"``, or why the tier is degraded now (``"enospc"``, ``"circuit open: host:port"`` …)
+        self.health = "ok"
 
     # --- data path -------------------------------------------------------------------------------
     @abstractmethod
@@ -102,6 +107,18 @@ class Tier(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook, memory tiers hold nothing to release
         """Release resources; further calls are undefined."""
+
+    def report_health(self, ok: bool, reason: str = "") -> None:
+        """Record the tier's state; logs one line per change (degraded ↔ ok), never one per block."""
+        state = "ok" if ok else (reason or "degraded")
+        if state == self.health:
+            return
+        previous, self.health = self.health, state
+        if ok:
+            log.warning("tier %r (%s) recovered (was: %s)", self.name, self.kind, previous)
+        else:
+            log.warning("tier %r (%s) degraded: %s; its blocks are misses or failed stores until it recovers",
+                        self.name, self.kind, state)
 
     # --- helpers for implementations ----------------------------------------------------------------
     def block_bytes(self, group_id: int) -> int:

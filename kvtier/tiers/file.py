@@ -645,7 +645,10 @@ class FileTier(Tier):
     def _count(self, outcome: _Outcome, *, write: bool) -> None:
         if outcome.error is not None:
             self.counters.error(outcome.error)
+            if write and outcome.error in ("enospc", "io"):
+                self.report_health(False, f"writes failing ({outcome.error})")
         elif write:
+            self.report_health(True)
             self.counters.blocks_written += 1
             self.counters.bytes_written += outcome.device_bytes
         else:

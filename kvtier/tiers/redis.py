@@ -719,6 +719,7 @@ class RedisTier(Tier):
         self.timeout = float(timeout)
         self.max_connections = max_connections
         self.breaker_config = CircuitBreakerConfig.from_mapping(circuit_breaker)
+        self._open_nodes: set[object] = set()
 
         parsed = urlsplit(url or DEFAULT_URL)
         if parsed.scheme not in ("redis", "rediss"):
@@ -942,10 +943,13 @@ class RedisTier(Tier):
                 if self.cluster:
                     self._topology_stale = True
                 if breaker.failure():
-                    log.warning("redis tier %r: %s is failing (%s); answering misses for %.1f s, then probing",
-                                self.name, addr, run.detail, self.breaker_config.cooldown_seconds)
+                    self._open_nodes.add(addr)
+                    self.report_health(False, f"circuit open for {', '.join(sorted(map(str, self._open_nodes)))} "
+                                              f"({run.detail}); probing every {self.breaker_config.cooldown_seconds:g} s")
             elif run.succeeded and breaker.success():
-                log.warning("redis tier %r: %s answers again", self.name, addr)
+                self._open_nodes.discard(addr)
+                self.report_health(not self._open_nodes,
+                                   f"circuit open for {', '.join(sorted(map(str, self._open_nodes)))}")
             breaker.end_attempt()
 
     def _connect(self, addr: _Addr) -> _Connection:
