@@ -167,6 +167,9 @@ class AsyncTieredCache:
             self._activity[t].hits += 1
             if not self.tiers[t].self_evicting:
                 self.residency.touch(t, keys[i])
+        # a tier misses every block the walk down the hierarchy asked it for and it did not serve
+        for t, activity in enumerate(self._activity):
+            activity.misses += sum(1 for i in range(loaded) if where[i] > t) + len(keys) - loaded
         self._counts["loaded_blocks"] += loaded
         await self._promote(keys[:loaded], where[:loaded], buffers[:loaded])
         return loaded
@@ -196,7 +199,8 @@ class AsyncTieredCache:
         for t, tier in enumerate(self.tiers):
             a, c = self._activity[t], tier.counters
             tiers.append(TierStats(
-                name=tier.name, kind=tier.kind, hits=a.hits, stores=a.stores, failed_stores=a.failed_stores,
+                name=tier.name, kind=tier.kind, hits=a.hits, misses=a.misses, stores=a.stores,
+                failed_stores=a.failed_stores,
                 evictions=a.evictions, demotions_out=a.demotions_out, promotions_in=a.promotions_in,
                 corrupt_or_lost=a.corrupt_or_lost, blocks_read=c.blocks_read, blocks_written=c.blocks_written,
                 bytes_read=c.bytes_read, bytes_written=c.bytes_written, read_seconds=c.read_seconds,

@@ -161,7 +161,7 @@ def _stats_from_url(url: str) -> list[dict[str, Any]] | None:
         console.print(f"[red]cannot read {url}[/red]: {exc}")
         return None
     per_tier: dict[str, dict[str, Any]] = {}
-    wanted = {"kvtier_tier_hits": "hits", "kvtier_tier_stores": "stores", "kvtier_tier_evictions": "evictions",
+    wanted = {"kvtier_tier_hits": "hits", "kvtier_tier_misses": "misses", "kvtier_tier_stores": "stores", "kvtier_tier_evictions": "evictions",
               "kvtier_tier_demotions_out": "demoted", "kvtier_tier_promotions_in": "promoted",
               "kvtier_tier_bytes_read": "bytes read", "kvtier_tier_bytes_written": "bytes written",
               "kvtier_tier_usage_bytes": "used bytes", "kvtier_tier_capacity_bytes": "capacity bytes",

@@ -36,6 +36,8 @@ class TierActivity:
     """What the cache did with one tier."""
 
     hits: int = 0
+    #: blocks a load asked this tier for (not found above it) that it did not serve
+    misses: int = 0
     stores: int = 0
     failed_stores: int = 0
     evictions: int = 0
@@ -57,6 +59,7 @@ class TierStats:
     name: str
     kind: str
     hits: int
+    misses: int
     stores: int
     failed_stores: int
     evictions: int

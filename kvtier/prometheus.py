@@ -19,6 +19,7 @@ PREFIX = "kvtier"
 
 _TIER_COUNTERS = (
     ("hits", "blocks served from the tier"),
+    ("misses", "blocks a load asked the tier for (not found above it) that it did not serve"),
     ("stores", "blocks written to the tier (new stores, demotions and promotions in)"),
     ("failed_stores", "writes the tier refused or failed"),
     ("evictions", "blocks evicted from the tier"),

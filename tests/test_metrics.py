@@ -39,6 +39,7 @@ def test_prometheus_endpoint_serves_per_tier_metrics(two_tier_config: dict[str, 
         text = urllib.request.urlopen(url, timeout=5).read().decode()
         hits = samples(text, "kvtier_tier_hits_total")
         assert hits == {"cpu/": 4.0, "file/": 4.0}
+        assert samples(text, "kvtier_tier_misses_total") == {"cpu/": 4.0, "file/": 0.0}
         assert samples(text, "kvtier_tier_evictions_total")["cpu/"] == 8.0
         assert samples(text, "kvtier_tier_op_seconds_count")["file/get"] == 1.0
         assert samples(text, "kvtier_tier_usage_bytes")["cpu/"] == 4 * layout.nbytes
