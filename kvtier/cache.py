@@ -32,7 +32,7 @@ from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats, TierActivity, TierStats
 from kvtier.policy import InsertHint
-from kvtier.residency import Plan, Residency, TierIndex
+from kvtier.residency import Plan, Residency
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import aligned_empty
 
@@ -506,4 +506,4 @@ class TieredCache:
         return self._submit(coro).result()
 
 
-__all__ = ["AsyncTieredCache", "TieredCache", "TierIndex"]
+__all__ = ["AsyncTieredCache", "TieredCache"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 from kvtier.blocks import BlockKey
 from kvtier.policy import EvictionPolicy, InsertHint, make_eviction_policy
@@ -135,9 +134,6 @@ class Plan:
     @property
     def empty(self) -> bool:
         return not any(self.demotions) and not any(self.drops) and not any(self.writes)
-
-
-Outcome = Literal["hit", "miss"]
 
 
 class Residency:
