@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import stat
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -314,19 +313,9 @@ def test_namespaces_keep_tenants_apart_and_an_acl_key_pattern_enforces_it(redis_
 def test_tls_with_a_password_from_the_environment(redis_servers: Any, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is needed to make test certificates")
-    ca_key, ca, key, csr, cert, ext = (tmp_path / n for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt",
-                                                              "ext.cnf"))
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    for args in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
-                  "-subj", "/CN=kvtier-test-ca"],
-                 ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
-                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
-                  "-days", "1", "-extfile", ext]):
-        subprocess.run([openssl, *map(str, args)], check=True, capture_output=True)
-    from tests.tiers.conftest import RedisProcess, free_port
+    from tests.tiers.conftest import RedisProcess, free_port, make_test_certificates
+
+    ca, cert, key = make_test_certificates(tmp_path)
 
     port = free_port()
     server = RedisProcess(port, tmp_path / "tls", ["--port", "0", "--tls-port", str(port), "--tls-cert-file",

@@ -244,3 +244,20 @@ def private_redis_cluster(tmp_path: Path) -> Iterator[RedisClusterHandle]:
     yield handle
     with contextlib.suppress(Exception):
         handle.stop()
+
+
+def make_test_certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """A throw-away CA and a server certificate for 127.0.0.1: ``(ca, cert, key)``; skips without openssl."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is needed to make test certificates")
+    ca_key, ca, key, csr, cert, ext = (directory / n for n in ("ca.key", "ca.crt", "srv.key", "srv.csr",
+                                                               "srv.crt", "ext.cnf"))
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    for args in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
+                  "-subj", "/CN=kvtier-test-ca"],
+                 ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+                  "-days", "1", "-extfile", ext]):
+        subprocess.run([openssl, *map(str, args)], check=True, capture_output=True)
+    return ca, cert, key

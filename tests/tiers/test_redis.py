@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import shutil
 import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -34,6 +32,7 @@ from kvtier.codec import HEADER_SIZE
 from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.layout import BlockLayout
 from kvtier.tiers.redis import CircuitBreaker, CircuitBreakerConfig, RedisTier
+from tests.tiers.conftest import make_test_certificates
 
 #: 16 KiB blocks keep most tests fast; one test moves 2 MiB blocks.
 SMALL = BlockLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
@@ -354,18 +353,7 @@ def test_two_processes_share_blocks(redis_url: str, namespace: str, make_tier: M
 
 
 def test_tls_round_trip(redis_server_factory, tmp_path: Path, make_tier: MakeTier) -> None:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is needed to make test certificates")
-    ca_key, ca, key, csr, cert, ext = (tmp_path / n for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt",
-                                                              "ext.cnf"))
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    for args in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
-                  "-subj", "/CN=kvtier-test-ca"],
-                 ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
-                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
-                  "-days", "1", "-extfile", ext]):
-        subprocess.run([openssl, *map(str, args)], check=True, capture_output=True)
+    ca, cert, key = make_test_certificates(tmp_path)
     server = redis_server_factory(start=False)
     server.extra_args = ["--port", "0", "--tls-port", str(server.port), "--tls-cert-file", str(cert),
                          "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
