@@ -181,6 +181,8 @@ def _stats_from_url(url: str) -> list[dict[str, Any]] | None:
 
 def _stats_from_dir(root: Path) -> list[dict[str, Any]] | None:
     """Blocks and bytes per namespace and group under a file tier's ``path`` (read-only walk)."""
+    from kvtier.tiers.file import BLOCK_SUFFIX
+
     if not root.is_dir():
         console.print(f"[red]not a directory[/red]: {root}")
         return None
@@ -193,7 +195,7 @@ def _stats_from_dir(root: Path) -> list[dict[str, Any]] | None:
                     continue
                 with os.scandir(shard) as entries:
                     for entry in entries:
-                        if entry.name.endswith(".kvb") and entry.is_file(follow_symlinks=False):
+                        if entry.name.endswith(BLOCK_SUFFIX) and entry.is_file(follow_symlinks=False):
                             blocks += 1
                             size += entry.stat(follow_symlinks=False).st_size
             rows.append({"namespace": ns.name, "group": group.name[1:], "blocks": blocks, "bytes on disk": size})
