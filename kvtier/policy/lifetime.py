@@ -8,11 +8,12 @@ from the workload, per partition:
 
 1. **Classes.** A block's first reference puts it in class 0, each further one a class up, to
    ``K - 1`` (``K = 3``: seen once, twice, three or more times). History outlives residency: an
-   evicted key leaves its class and last reference time in a small tagged table, and a key that
-   comes back within the *reach* of ``max(4 × capacity, 2^17)`` references continues one class
-   above where it left (beyond the reach, or after a collision in the table, it starts again).
-   One table read per new block and one write per eviction: this replaced a count-min sketch
-   updated on every reference, for the same hit ratios at ~15 % less cost per reference.
+   evicted key leaves its class and last reference time in a small tagged table; a key that comes
+   back within the *reach* of ``max(4 × capacity, 2^17)`` references returns to its class, one
+   class up if it came back within a quarter of the reach (an older return is weak evidence of
+   frequency, as a count-min sketch that halves its counters would say too). Beyond the reach, or
+   after a collision in the table, it starts again in class 0. One table read per new block and
+   one write per eviction: this replaced a count-min sketch updated on every reference.
 2. **Reuse statistics.** For a hash-sampled half of the keys, each reference adds the distance since
    the key's previous reference (read from its queue entry while resident, from the table
    otherwise) to a histogram of the class the key had then, up to the reach. Histograms decay over
@@ -127,6 +128,7 @@ class LearnedLifetimePolicy(EvictionPolicy):
             return
         self._sized_for = capacity
         self._reach = max(4 * capacity, _MIN_REACH)
+        self._repeat_within = self._reach // 4
         self._bins = min(_BINS, _SUB * (self._reach.bit_length() + 1))
         slots = 1 << (2 * self._reach - 1).bit_length()
         if len(self._table) != slots:
@@ -146,8 +148,8 @@ class LearnedLifetimePolicy(EvictionPolicy):
         t = self._clock = self._clock + 1
         entry = self._table[h & self._slot_mask]
         if entry and (entry >> 4) & 0xFFFF == h >> 16 and t - (entry >> 20) <= self._reach:
-            old = entry & 15  # seen within the reach: one class up from where it left
-            cls = old + 1 if old < self._top else old
+            old = entry & 15  # seen within the reach: back in its class, one up if it came back soon
+            cls = old + 1 if old < self._top and t - (entry >> 20) <= self._repeat_within else old
             if not h >> _SAMPLE_SHIFT:
                 self._hist[old][_bin(t - (entry >> 20))] += 1.0
                 self._refs[cls] += 1.0
