@@ -9,7 +9,7 @@ import pytest
 from kvtier.blocks import BlockKey
 from kvtier.config import build_cache_parts, load_config
 from kvtier.errors import KVTierConfigError
-from kvtier.policy.admission import AdmitAll, SecondSighting, make_admission_policy
+from kvtier.policy.admission import AdmitAll, SecondSighting, TinyLFUAdmission, make_admission_policy
 from kvtier.policy.placement import PlacementPolicy
 from kvtier.replay import Trace, replay
 
@@ -44,6 +44,15 @@ def test_good_placement_options_reach_the_residency(two_tier_config: dict[str, A
     assert isinstance(rules.admission[0], AdmitAll)
     assert isinstance(rules.admission[1], SecondSighting) and rules.admission[1].history == 128
     assert residency.tiers[0].policies[0].name == "lifetime"
+
+
+def test_tinylfu_admission_from_yaml_admits_on_the_second_offer(two_tier_config: dict[str, Any]) -> None:
+    two_tier_config["tiers"][1]["admission"] = "tinylfu"
+    _, _, residency, _ = build_cache_parts(load_config(two_tier_config))
+    doorkeeper = residency.placement.admission[1]
+    assert isinstance(doorkeeper, TinyLFUAdmission)
+    key = BlockKey(b"\x07" * 16, 0)
+    assert [doorkeeper.admit(key), doorkeeper.admit(key)] == [False, True]
 
 
 def test_placement_policy_validates_itself() -> None:
