@@ -26,8 +26,8 @@ from kvtier.errors import LayoutMismatch, TierUnavailable
 from kvtier.kernels import fallback
 from kvtier.layout import BlockLayout, PerLayerLayout
 
-__all__ = ["KERNEL_SOURCES", "PieceGeometry", "copy_blocks", "kernel_source", "load_module", "pack_blocks",
-           "piece_byte_addresses", "piece_geometry", "require_cuda", "unpack_blocks"]
+__all__ = ["KERNEL_SOURCES", "PieceGeometry", "copy_blocks", "kernel_source", "load_module",
+           "pack_blocks", "piece_byte_addresses", "piece_geometry", "reachable", "require_cuda", "unpack_blocks"]
 
 #: The CUDA sources shipped in this package (``kvtier/kernels/*.cu``).
 KERNEL_SOURCES = ("copy_blocks.cu",)
@@ -290,14 +290,36 @@ def _block_addresses(side: torch.Tensor | Sequence[torch.Tensor], ids: torch.Ten
         if view.dtype != torch.uint8 or view.dim() != 1 or view.numel() != size or not view.is_contiguous():
             raise LayoutMismatch(f"{what}[{k}] must be a contiguous 1-D uint8 view of {size} bytes, got "
                                  f"{view.dtype} {tuple(view.shape)}")
-        _check_reachable(view, device, f"{what}[{k}]")
+    if not reachable(views, device):
+        bad = next(k for k, view in enumerate(views) if not reachable([view], device))
+        _check_reachable(views[bad], device, f"{what}[{bad}]")
     addresses = [view.data_ptr() for view in views]
     index = torch.tensor(addresses, dtype=torch.int64).to(device, non_blocking=True)
     return 0, index, 1, size, vector_unit(16, *addresses)
 
 
+def reachable(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
+    """Whether a kernel on ``device`` can read and write every tensor: on ``device``, or page-locked host memory.
+
+    Asks CUDA whether memory is page-locked once per underlying allocation (the views of one CPU
+    tier slab share it), not once per view: a batch of a thousand slot views costs one query.
+    """
+    pinned: dict[int, bool] = {}
+    for tensor in tensors:
+        if tensor.device == device:
+            continue
+        if tensor.device.type != "cpu":
+            return False
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in pinned:
+            pinned[id(base)] = tensor.is_pinned()
+        if not pinned[id(base)]:
+            return False
+    return True
+
+
 def _check_reachable(tensor: torch.Tensor, device: torch.device, what: str) -> None:
-    if tensor.device == device or (tensor.device.type == "cpu" and tensor.is_pinned()):
+    if reachable([tensor], device):
         return
     raise LayoutMismatch(f"{what} is on {tensor.device}, which a kernel on {device} cannot reach; use {device} "
                          f"or page-locked host memory (a pinned CPU tier slab)")
