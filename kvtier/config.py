@@ -114,11 +114,28 @@ class CpuTierConfig(TierBase):
     pinned: bool | Literal["auto"] = "auto"
 
 
+class TransferConfig(_Strict):
+    """Kernel or copy engine for GPU transfers (:class:`kvtier.tiers.gpu.TransferChoice`).
+
+    ``auto`` sends pieces smaller than ``crossover`` through the batched kernel and larger ones
+    through the copy engine; ``benchmarks/bench_gpu.py`` measures the crossover of a machine.
+    """
+
+    method: Literal["auto", "kernel", "copy_engine"] = "auto"
+    crossover: Size = 64 * 1024
+
+    @field_validator("crossover", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int:
+        return parse_size(value)
+
+
 class GpuTierConfig(TierBase):
     """Device memory on one CUDA device (needs CUDA and CuPy when the cache is built)."""
 
     type: Literal["gpu"]
     device: int = Field(default=0, ge=0)
+    transfer: TransferConfig = TransferConfig()
 
 
 class FileTierConfig(TierBase):
@@ -390,10 +407,11 @@ def build_cache_parts(cfg: KVTierConfig) -> tuple[Any, ...]:
 def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCacheSpec, namespace: Namespace,
                 path: str) -> Any:
     if isinstance(tc, GpuTierConfig):
-        from kvtier.tiers.gpu import GpuTier
+        from kvtier.tiers.gpu import GpuTier, TransferChoice
 
+        transfer = TransferChoice(tc.transfer.method, tc.transfer.crossover)
         try:
-            return GpuTier(name, layouts, split_capacity(tc.capacity, spec), device=tc.device)
+            return GpuTier(name, layouts, split_capacity(tc.capacity, spec), device=tc.device, transfer=transfer)
         except TierUnavailable as exc:
             raise KVTierConfigError(path, f"a gpu tier cannot start here: {exc}") from None
     if isinstance(tc, CpuTierConfig):

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.config import build_spec, load_config, parse_size
+from kvtier.config import GpuTierConfig, build_spec, load_config, parse_size
 from kvtier.errors import KVTierConfigError
 from tests.helpers import SMALL_MODEL
 
@@ -93,3 +93,72 @@ def test_gpu_tier_without_cuda_names_the_tier(tmp_path: Path) -> None:
     load_config(cfg)  # the schema is valid anywhere
     with pytest.raises(KVTierConfigError, match=r"tiers\[0\].*CUDA is unavailable"):
         TieredCache.from_config(cfg)
+
+
+def gpu_config(tmp_path: Path, **transfer: Any) -> dict[str, Any]:
+    cfg = base(tmp_path)
+    cfg["tiers"].insert(0, {"type": "gpu", "capacity": "1GiB", **({"transfer": transfer} if transfer else {})})
+    return cfg
+
+
+def test_gpu_transfer_defaults_to_auto_at_the_built_in_crossover(tmp_path: Path) -> None:
+    from kvtier.tiers.gpu import DEFAULT_CROSSOVER_BYTES, TransferChoice
+
+    tier = load_config(gpu_config(tmp_path)).tiers[0]
+    assert isinstance(tier, GpuTierConfig)
+    transfer = tier.transfer
+    assert (transfer.method, transfer.crossover) == ("auto", DEFAULT_CROSSOVER_BYTES)
+    assert TransferChoice() == TransferChoice(transfer.method, transfer.crossover)
+
+
+def test_gpu_transfer_keys_parse_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(f"""
+model: {{name: m, num_layers: 2, num_kv_heads: 2, head_dim: 8}}
+tiers:
+  - {{type: gpu, capacity: 1GiB, transfer: {{method: copy_engine, crossover: 256KiB}}}}
+  - {{type: file, path: {tmp_path}, capacity: 1GiB}}
+""")
+    tier = load_config(path).tiers[0]
+    assert isinstance(tier, GpuTierConfig)
+    assert (tier.transfer.method, tier.transfer.crossover) == ("copy_engine", 256 << 10)
+
+
+@pytest.mark.parametrize(("transfer", "expected"), [
+    ({"method": "dma"}, "tiers[0].transfer.method: Input should be 'auto', 'kernel' or 'copy_engine' (got 'dma')"),
+    ({"crossover": "12 bananas"}, "tiers[0].transfer.crossover: Value error, expected a size like '8GiB'"),
+    ({"crossover": -1}, "tiers[0].transfer.crossover: Value error, size must not be negative"),
+    ({"crosover": "64KiB"}, "tiers[0].transfer.crosover: Extra inputs are not permitted"),
+    ("kernel", "tiers[0].transfer: Input should be a valid dictionary"),
+])
+def test_gpu_transfer_errors_name_the_key_path(tmp_path: Path, transfer: Any, expected: str) -> None:
+    cfg = gpu_config(tmp_path)
+    cfg["tiers"][0]["transfer"] = transfer
+    assert error_for(cfg).startswith(expected)
+
+
+def test_transfer_is_a_gpu_tier_key(tmp_path: Path) -> None:
+    cfg = base(tmp_path)
+    cfg["tiers"][0]["transfer"] = {"method": "kernel"}
+    assert error_for(cfg).startswith("tiers[0].transfer: Extra inputs are not permitted")
+
+
+def test_gpu_tier_is_built_with_its_transfer_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The YAML key reaches the tier (a CPU stand-in records what the builder passes, so no GPU is needed)."""
+    import kvtier.tiers.gpu
+    from kvtier.config import build_cache_parts
+    from kvtier.tiers.cpu import CpuTier
+    from kvtier.tiers.gpu import TransferChoice
+
+    class RecordingTier(CpuTier):
+        def __init__(self, name: str, layouts: Any, capacity_bytes: Any, *, device: int,
+                     transfer: TransferChoice) -> None:
+            super().__init__(name, layouts, capacity_bytes, pinned=False)
+            self.device_index, self.transfer = device, transfer
+
+    monkeypatch.setattr(kvtier.tiers.gpu, "GpuTier", RecordingTier)
+    cfg = gpu_config(tmp_path, method="kernel", crossover="1MiB")
+    cfg["tiers"][0].update(capacity="1MiB", device=1)
+    _, tiers, _, _ = build_cache_parts(load_config(cfg))
+    assert isinstance(tiers[0], RecordingTier) and tiers[0].device_index == 1
+    assert tiers[0].transfer == TransferChoice("kernel", 1 << 20)

@@ -5,9 +5,13 @@ one CUDA device, handed out as zero-copy views like the CPU tier's. :class:`Engi
 engine's paged KV cache (cross-layer base tensor or per-layer tensors, as
 :func:`kvtier.detect.detect_kv_layout` finds it) so blocks addressed by *engine block ids* move to
 and from tier slots on a dedicated CUDA stream: a store first waits for the compute stream's writes,
-a load gives the engine an event to wait on, and nothing blocks the engine's stream. Each transfer
-goes through a kernel (:mod:`kvtier.kernels.cuda`, one launch for many blocks) or the copy engine
-(one ``cudaMemcpyAsync`` per contiguous block or piece), chosen by piece size against a crossover.
+a load gives the engine an event to wait on, and nothing blocks the engine's stream.
+
+Every batch moves with one kernel launch (:mod:`kvtier.kernels.cuda`) or through the copy engine
+(:mod:`kvtier.kernels.copy_engine`: one ``cudaMemcpyAsync`` per contiguous run), as
+:class:`TransferChoice` decides from the size of the contiguous pieces against a crossover — a
+gpu tier's ``transfer`` key in YAML, shared by the tier's own copies and by an :class:`EngineKV`
+built with ``transfer=tier.transfer``.
 
 Not here: deciding what to move or evict (the cache and policies do), checksums (bytes stay in
 process memory). Without CUDA or CuPy, constructing either class raises
@@ -17,7 +21,7 @@ process memory). Without CUDA or CuPy, constructing either class raises
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -25,18 +29,51 @@ import torch
 
 from kvtier.blocks import BlockKey
 from kvtier.detect import DetectedKVLayout, detect_kv_layout
-from kvtier.errors import LayoutMismatch, TierUnavailable
-from kvtier.kernels import cuda
+from kvtier.errors import KVTierConfigError, LayoutMismatch, TierUnavailable
+from kvtier.kernels import copy_engine, cuda
 from kvtier.layout import BlockLayout, PerLayerKind, PerLayerLayout
 from kvtier.tiers.base import Tier
 
-#: ``kernel``: one launch of the CUDA kernels; ``copy_engine``: one cudaMemcpyAsync per contiguous piece.
+#: ``kernel``: one launch of the CUDA kernels; ``copy_engine``: one cudaMemcpyAsync per contiguous run;
+#: ``auto``: by piece size against the crossover.
 TransferMethod = Literal["auto", "kernel", "copy_engine"]
 #: Pieces below this size go through the kernel, larger ones through the copy engine. PCIe Gen5 copies
 #: under ~28 KiB crawl at 4–7 GB/s while ≥ 64 KiB ones reach ~50 GB/s (vLLM PR #42212); to be replaced
-#: by the crossover ``benchmarks/bench_gpu.py`` measures on the H200.
+#: by the crossover ``benchmarks/bench_gpu.py`` measures on the H200 (its "crossover" table).
 DEFAULT_CROSSOVER_BYTES = 64 * 1024
-_CUDA_MEMCPY_DEFAULT = 4
+
+
+@dataclass(frozen=True)
+class TransferChoice:
+    """Kernel or copy engine for one transfer: forced by ``method``, or by piece size against a crossover.
+
+    A *piece* is what one copy-engine call would move: a whole block when blocks are contiguous on
+    both sides (cross-layer caches, tier slots), one layer's K or V of a block for per-layer
+    caches. Small pieces pay the copy engine's per-call cost, so they go through the kernel, which
+    moves a whole batch in one launch; pieces of ``crossover_bytes`` or more go through the copy
+    engine. A transfer that needs a transpose (NHD ↔ HND) is not made of contiguous pieces and
+    always takes the kernel under ``auto``. Built from a gpu tier's ``transfer`` key in YAML.
+    """
+
+    method: TransferMethod = "auto"
+    crossover_bytes: int = DEFAULT_CROSSOVER_BYTES
+
+    def __post_init__(self) -> None:
+        if self.method not in ("auto", "kernel", "copy_engine"):
+            raise KVTierConfigError("transfer.method",
+                                    f"expected 'auto', 'kernel' or 'copy_engine', got {self.method!r}")
+        if isinstance(self.crossover_bytes, bool) or not isinstance(self.crossover_bytes, int) \
+                or self.crossover_bytes < 0:
+            raise KVTierConfigError("transfer.crossover",
+                                    f"expected a size in bytes >= 0, got {self.crossover_bytes!r}")
+
+    def choose(self, piece_bytes: int, *, contiguous: bool = True) -> Literal["kernel", "copy_engine"]:
+        """The path for a transfer of ``piece_bytes`` pieces (``contiguous=False``: rows need a transpose)."""
+        if self.method != "auto":
+            return self.method
+        if not contiguous or piece_bytes < self.crossover_bytes:
+            return "kernel"
+        return "copy_engine"
 
 
 def _require_device(device: torch.device | str | int | None) -> torch.device:
@@ -47,6 +84,7 @@ def _require_device(device: torch.device | str | int | None) -> torch.device:
         if not isinstance(device, int) else torch.device("cuda", device)
     if resolved.type != "cuda" or (resolved.index or 0) >= torch.cuda.device_count():
         raise TierUnavailable(f"device {device!r} is not one of the {torch.cuda.device_count()} CUDA devices")
+    cuda.require_cuda()
     return resolved if resolved.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
@@ -91,45 +129,40 @@ class EngineKV:
 
     ``kv_caches`` are the engine's per-layer tensors (layer order = iteration order; vLLM hands a
     name → tensor mapping). Cross-layer caches move whole blocks (``copy_blocks``); per-layer ones
-    are packed into / unpacked from cross-layer blocks. ``method`` forces ``kernel`` or
-    ``copy_engine``; ``auto`` picks per transfer from ``crossover_bytes`` (the size of the
-    contiguous pieces: a whole block when cross-layer, one layer's K or V of a block otherwise).
-    Tier slots are 1-D uint8 views of ``block.nbytes`` (:meth:`Tier.views` of a GPU tier or of a
-    pinned CPU tier).
+    are packed into / unpacked from cross-layer blocks. ``transfer`` picks kernel or copy engine
+    (pass a :class:`GpuTier`'s ``transfer`` to follow its YAML key); the piece it weighs is a whole
+    block when cross-layer, one layer's K or V of a block otherwise. Tier slots are 1-D uint8
+    views of ``block.nbytes`` (:meth:`Tier.views` of a GPU tier or of a pinned CPU tier).
     """
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], *, block_size: int,
                  num_kv_heads: int, head_dim: int, hint: PerLayerKind | PerLayerLayout | None = None,
-                 method: TransferMethod = "auto", crossover_bytes: int = DEFAULT_CROSSOVER_BYTES) -> None:
+                 transfer: TransferChoice = TransferChoice()) -> None:
         cuda.require_cuda()
-        if method not in ("auto", "kernel", "copy_engine"):
-            raise LayoutMismatch(f"method must be 'auto', 'kernel' or 'copy_engine', got {method!r}")
         self.detected: DetectedKVLayout = detect_kv_layout(kv_caches, block_size=block_size,
                                                            num_kv_heads=num_kv_heads, head_dim=head_dim, hint=hint)
         self.layers = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
         self.device = self.layers[0].device
         if self.device.type != "cuda":
             raise LayoutMismatch(f"the engine KV cache must be on a CUDA device, got {self.device}")
-        self.method = method
-        self.crossover_bytes = crossover_bytes
+        self.transfer = transfer
         self.stream = torch.cuda.Stream(self.device)
         if self.detected.cross_layer:
             self.piece_bytes = self.block.nbytes
+            self.contiguous = True
         else:
             assert self.detected.per_layer is not None
             self.geometry = cuda.piece_geometry(self.layers, self.detected.per_layer, self.block)
             self.piece_bytes = self.geometry.piece_bytes
+            self.contiguous = self.geometry.rows == 1
 
     @property
     def block(self) -> BlockLayout:
         return self.detected.block
 
-    def choose(self) -> str:
-        """``kernel`` or ``copy_engine`` for this cache (piece size against the crossover, unless forced)."""
-        if self.method != "auto":
-            return self.method
-        dense = self.detected.cross_layer or self.geometry.rows == 1
-        return "kernel" if self.piece_bytes < self.crossover_bytes or not dense else "copy_engine"
+    def choose(self) -> Literal["kernel", "copy_engine"]:
+        """``kernel`` or ``copy_engine`` for this cache (its piece size against the crossover, unless forced)."""
+        return self.transfer.choose(self.piece_bytes, contiguous=self.contiguous)
 
     def store(self, block_ids: Sequence[int] | torch.Tensor, slots: Sequence[torch.Tensor]) -> TransferHandle:
         """Copy engine blocks ``block_ids[i]`` into ``slots[i]``, after the compute stream's pending writes.
@@ -178,16 +211,16 @@ class EngineKV:
             cuda.pack_blocks(self.layers, ids, self.detected.per_layer, self.block, slots, stream=self.stream)
 
     def _copy_engine(self, ids: torch.Tensor, slots: Sequence[torch.Tensor], to_engine: bool) -> None:
-        """One ``cudaMemcpyAsync`` per contiguous block (cross-layer) or per piece (per-layer)."""
-        cupy = cuda.require_cuda()
-        memcpy = cupy.cuda.runtime.memcpyAsync
-        handle = self.stream.cuda_stream
+        """One ``cudaMemcpyAsync`` per contiguous run of blocks (cross-layer) or pieces (per-layer)."""
+        if not cuda.reachable(slots, self.device):
+            raise LayoutMismatch(f"slots must be on {self.device} or in page-locked host memory (a pinned CPU "
+                                 f"tier slab) for the copy engine to move them asynchronously")
         if self.detected.cross_layer:
             base = self.detected.base
             assert base is not None
             stride = base.stride(0) * base.element_size()
             size = self.block.nbytes
-            engine = [base.data_ptr() + int(b) * stride for b in ids.tolist()]
+            engine = [base.data_ptr() + b * stride for b in ids.tolist()]
             cross = [slot.data_ptr() for slot in slots]
         else:
             g = self.geometry
@@ -195,28 +228,39 @@ class EngineKV:
                 raise LayoutMismatch("the copy engine moves contiguous pieces only; this per-layer cache needs "
                                      "a token-layout transpose, so use method='kernel'")
             size = g.piece_bytes
+            layer_ptrs = [layer.data_ptr() for layer in self.layers]
             engine, cross = [], []
             for b, slot in zip(ids.tolist(), slots, strict=True):
-                for layer_index, layer in enumerate(self.layers):
+                slot_ptr = slot.data_ptr()
+                for layer_index, layer_ptr in enumerate(layer_ptrs):
                     for kv in range(g.kv_factor):
-                        engine.append(layer.data_ptr() + b * g.engine_block_stride + kv * g.engine_kv_stride)
-                        cross.append(slot.data_ptr() + (layer_index * g.kv_factor + kv) * size)
-        with cupy.cuda.Device(self.device.index):
-            for engine_address, cross_address in zip(engine, cross, strict=True):
-                dst, src = (engine_address, cross_address) if to_engine else (cross_address, engine_address)
-                memcpy(dst, src, size, _CUDA_MEMCPY_DEFAULT, handle)
+                        engine.append(layer_ptr + b * g.engine_block_stride + kv * g.engine_kv_stride)
+                        cross.append(slot_ptr + (layer_index * g.kv_factor + kv) * size)
+        runs = copy_engine.coalesce(engine, cross, size) if to_engine else copy_engine.coalesce(cross, engine, size)
+        copy_engine.memcpy_async(runs, self.device, self.stream)
+
+
+#: Moves of one group in one call: the slots and, in the same order, the caller's buffers.
+_Moves = dict[int, tuple[list[int], list[torch.Tensor]]]
 
 
 class GpuTier(Tier):
-    """Device memory on one CUDA device, ``capacity_bytes[g] // block_bytes`` slots per group."""
+    """Device memory on one CUDA device, ``capacity_bytes[g] // block_bytes`` slots per group.
+
+    ``put`` and ``get`` move each group's blocks of a call as one batch on the tier's stream: one
+    kernel launch, or the copy engine over coalesced runs, as ``transfer`` chooses for the group's
+    block size. Buffers a kernel cannot reach (pageable host memory, another GPU) are staged through
+    one batched copy instead. Each call returns once its bytes have landed.
+    """
 
     kind: ClassVar[str] = "gpu"
     addressable: ClassVar[bool] = True
 
     def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int], *,
-                 device: torch.device | str | int | None = None) -> None:
+                 device: torch.device | str | int | None = None, transfer: TransferChoice = TransferChoice()) -> None:
         self.device = _require_device(device)
         super().__init__(name, layouts, capacity_bytes)
+        self.transfer = transfer
         self.stream = torch.cuda.Stream(self.device)
         self._slabs = {g: torch.empty((self.capacity_bytes.get(g, 0) // layout.nbytes, layout.nbytes),
                                       dtype=torch.uint8, device=self.device) for g, layout in self.layouts.items()}
@@ -227,49 +271,110 @@ class GpuTier(Tier):
         return self._slabs[group_id].shape[0]
 
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy blocks (device or host memory) into slots; False when the group's slab is full."""
+        """Copy blocks (device or host memory) into slots; False when the group's slab is full.
+
+        A key given twice in one call is stored once, with its last block (as one copy per block
+        in order would leave it).
+        """
         self.check_buffers(keys, blocks, "blocks")
-        ok = [False] * len(keys)
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, key in enumerate(keys):
+        last = {key: i for i, key in enumerate(keys)}
+        moves: _Moves = {}
+        placed: set[BlockKey] = set()
+        for key, i in last.items():
             slot = self._slot_of[key.group_id].get(key)
             if slot is None:
                 if not self._free[key.group_id]:
                     continue
                 slot = self._free[key.group_id].pop()
                 self._slot_of[key.group_id][key] = slot
-            pairs.append((self._slabs[key.group_id][slot], blocks[i]))
-            ok[i] = True
+            slots, buffers = moves.setdefault(key.group_id, ([], []))
+            slots.append(slot)
+            buffers.append(blocks[i])
+            placed.add(key)
             self.counters.blocks_written += 1
             self.counters.bytes_written += blocks[i].numel()
-        await self._copy(pairs)
-        return ok
+        await self._move(moves, into_slab=True)
+        return [key in placed for key in keys]
 
     async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> list[bool]:
         """Copy resident blocks into ``out`` (device or host memory); a key without a slot is a miss."""
         self.check_buffers(keys, out, "out")
         ok = [False] * len(keys)
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        moves: _Moves = {}
         for i, key in enumerate(keys):
             slot = self._slot_of.get(key.group_id, {}).get(key)
             if slot is not None:
-                pairs.append((out[i], self._slabs[key.group_id][slot]))
+                slots, buffers = moves.setdefault(key.group_id, ([], []))
+                slots.append(slot)
+                buffers.append(out[i])
                 ok[i] = True
                 self.counters.blocks_read += 1
                 self.counters.bytes_read += out[i].numel()
-        await self._copy(pairs)
+        await self._move(moves, into_slab=False)
         return ok
 
-    async def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if not pairs:
+    async def _move(self, moves: _Moves, *, into_slab: bool) -> None:
+        """Enqueue each group's batch on the tier's stream after the caller's pending work; wait for it."""
+        if not moves:
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        keepalive: list[Any] = [moves]
+        finish: list[Callable[[], None]] = []
+        methods = set()
         with torch.cuda.stream(self.stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+            for group_id, (slots, buffers) in moves.items():
+                methods.add(self._enqueue(self._slabs[group_id], slots, buffers, into_slab, keepalive, finish))
         event = torch.cuda.Event()
         event.record(self.stream)
-        await TransferHandle(event, self.device, len(pairs), 0, "copy_engine", [pairs]).wait_async()
+        num_bytes = sum(len(slots) * self._slabs[g].shape[1] for g, (slots, _) in moves.items())
+        await TransferHandle(event, self.device, sum(len(s) for s, _ in moves.values()), num_bytes,
+                             "+".join(sorted(methods)), keepalive).wait_async()
+        for step in finish:
+            step()
+
+    def _enqueue(self, slab: torch.Tensor, slots: list[int], buffers: list[torch.Tensor], into_slab: bool,
+                 keepalive: list[Any], finish: list[Callable[[], None]]) -> str:
+        """Enqueue one group's copies on the current (tier) stream; return the path taken.
+
+        Reachable buffers (this device, page-locked host memory) move in one kernel launch or as
+        coalesced copy-engine runs. Others are staged: into the slab, one stack and one copy of
+        them, then one indexed copy; out of it, one indexed gather into page-locked staging that
+        ``finish`` spreads into the buffers once the stream has passed it.
+        """
+        ids = torch.tensor(slots, dtype=torch.int64)
+        if not cuda.reachable(buffers, self.device):
+            device_ids = ids.to(self.device, non_blocking=True)
+            if into_slab:
+                first = buffers[0].device
+                staged = torch.stack(buffers).to(self.device, non_blocking=True) \
+                    if all(b.device == first for b in buffers) \
+                    else torch.stack([b.to(self.device, non_blocking=True) for b in buffers])
+                slab.index_copy_(0, device_ids, staged)
+                keepalive.append(staged)
+            else:
+                staging = torch.empty((len(slots), slab.shape[1]), dtype=torch.uint8, pin_memory=True)
+                staging.copy_(slab.index_select(0, device_ids), non_blocking=True)
+                keepalive.append(staging)
+
+                def spread() -> None:
+                    for buf, row in zip(buffers, staging, strict=True):
+                        buf.copy_(row)
+
+                finish.append(spread)
+            return "staged"
+        method = self.transfer.choose(slab.shape[1])
+        if method == "kernel":
+            if into_slab:
+                cuda.copy_blocks(buffers, None, slab, ids, stream=self.stream)
+            else:
+                cuda.copy_blocks(slab, ids, buffers, None, stream=self.stream)
+            return method
+        slot_addresses = [slab.data_ptr() + slot * slab.stride(0) for slot in slots]
+        buffer_addresses = [buf.data_ptr() for buf in buffers]
+        runs = copy_engine.coalesce(slot_addresses, buffer_addresses, slab.shape[1]) if into_slab \
+            else copy_engine.coalesce(buffer_addresses, slot_addresses, slab.shape[1])
+        copy_engine.memcpy_async(runs, self.device, self.stream)
+        return method
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [key in self._slot_of.get(key.group_id, {}) for key in keys]

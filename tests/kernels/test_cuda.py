@@ -14,13 +14,13 @@ import torch
 from kvtier.errors import LayoutMismatch, TierUnavailable
 from kvtier.kernels import cuda, fallback
 from kvtier.layout import BlockLayout, PerLayerKind, PerLayerLayout, TokenLayout
+from tests.gpu_support import requires_gpu
 
 KERNEL_DIR = Path(cuda.__file__).parent
 LAYOUTS = [PerLayerLayout(kind, token_layout)
            for kind in (PerLayerKind.FLASH_ATTN, PerLayerKind.FLASHINFER) for token_layout in ("NHD", "HND")]
 LAYOUTS.append(PerLayerLayout(PerLayerKind.MLA))
 CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not CUDA, reason="CUDA is unavailable: torch.cuda.is_available() is False")
 
 
 def block_layout(per_layer: PerLayerLayout, token_layout: TokenLayout, dtype: torch.dtype = torch.float16,
@@ -150,8 +150,7 @@ def test_geometry_refuses_layers_with_different_strides() -> None:
 # --- GPU: every launch equals the fallback bit for bit -------------------------------------------------------
 
 
-@pytest.mark.gpu
-@gpu
+@requires_gpu
 @pytest.mark.parametrize("per_layer", LAYOUTS, ids=lambda p: f"{p.kind.value}-{p.token_layout}")
 @pytest.mark.parametrize("token_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("pinned", [False, True])
@@ -176,8 +175,7 @@ def test_gpu_pack_unpack_equal_fallback(per_layer: PerLayerLayout, token_layout:
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(target, reference, strict=True))
 
 
-@pytest.mark.gpu
-@gpu
+@requires_gpu
 @pytest.mark.parametrize("block_bytes", [4096, 4096 + 6, 3])
 def test_gpu_copy_blocks_equal_fallback_both_directions(block_bytes: int) -> None:
     src = torch.randint(0, 256, (8, block_bytes), dtype=torch.uint8, device="cuda")
@@ -194,75 +192,20 @@ def test_gpu_copy_blocks_equal_fallback_both_directions(block_bytes: int) -> Non
     assert torch.equal(back[3:6].cpu(), src[[5, 0, 7]].cpu())
 
 
-# --- the GPU tier and the engine KV endpoint ------------------------------------------------------------------
+def test_reachable_asks_once_per_allocation_whether_it_is_page_locked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of slot views of one slab costs one CUDA query, and any unreachable view makes it unreachable."""
+    asked: list[int] = []
 
+    def is_pinned(tensor: torch.Tensor) -> bool:
+        asked.append(tensor.data_ptr())
+        return tensor.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
 
-@pytest.mark.skipif(CUDA, reason="checks the no-CUDA message; this machine has CUDA")
-def test_gpu_tier_and_engine_kv_raise_tier_unavailable_without_cuda() -> None:
-    from kvtier.tiers.gpu import EngineKV, GpuTier
-
-    block = block_layout(LAYOUTS[0], "NHD")
-    with pytest.raises(TierUnavailable, match="CUDA is unavailable: torch.cuda.is_available"):
-        GpuTier("gpu", {0: block}, {0: 4 * block.nbytes})
-    _, layers = arena_layers(LAYOUTS[0], block, 4, 0, 0)
-    with pytest.raises(TierUnavailable, match="CUDA is unavailable"):
-        EngineKV(layers, block_size=4, num_kv_heads=2, head_dim=8)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("cross_layer", [True, False])
-@pytest.mark.parametrize("method", ["kernel", "copy_engine", "auto"])
-def test_engine_kv_store_load_round_trip_through_pinned_cpu_slots(cross_layer: bool, method: str) -> None:
-    import asyncio
-
-    from kvtier.detect import make_cross_layer_kv
-    from kvtier.tiers.cpu import CpuTier
-    from kvtier.tiers.gpu import EngineKV
-    from tests.helpers import make_keys
-
-    block = BlockLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16)
-    per_layer = PerLayerLayout(PerLayerKind.FLASH_ATTN)
-    if cross_layer:
-        base, layers = make_cross_layer_kv(10, block, "cuda")
-        base.view(torch.uint8).copy_(torch.randint(0, 256, base.view(torch.uint8).shape, dtype=torch.uint8))
-    else:
-        layers = [torch.randint(0, 256, per_layer.layer_shape(10, block), dtype=torch.int16, device="cuda"
-                                ).view(block.dtype) for _ in range(block.num_layers)]
-    engine = EngineKV(layers, block_size=16, num_kv_heads=2, head_dim=64, method=method)  # type: ignore[arg-type]
-    assert engine.detected.cross_layer is cross_layer
-    tier = CpuTier("cpu", {0: block}, {0: 8 * block.nbytes}, pinned=True)
-    keys = make_keys(3)
-    asyncio.run(tier.put(keys, list(torch.zeros((3, block.nbytes), dtype=torch.uint8))))
-    slots = tier.views(keys)
-    ids = [6, 2, 9]
-    engine.store(ids, slots).wait()
-    expected = torch.empty((3, *block.shape), dtype=block.dtype, device="cuda")
-    fallback.pack_blocks(layers, torch.tensor(ids), per_layer, block, expected)
-    assert torch.equal(torch.stack(slots).cuda(), expected.view(torch.uint8).view(3, -1))
-    before = [layer.clone() for layer in layers]
-    handle = engine.load(slots[::-1], [0, 1, 3])
-    handle.stream_wait()
-    torch.cuda.synchronize()
-    fallback.unpack_blocks(expected.flip(0), before, torch.tensor([0, 1, 3]), per_layer, block)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(layers, before, strict=True))
-    asyncio.run(tier.close())
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_tier_put_get() -> None:
-    import asyncio
-
-    from kvtier.tiers.gpu import GpuTier
-    from tests.helpers import make_keys
-
-    block = BlockLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
-    tier = GpuTier("gpu", {0: block}, {0: 2 * block.nbytes})
-    keys = make_keys(3)
-    data = torch.randint(0, 256, (3, block.nbytes), dtype=torch.uint8)
-    assert asyncio.run(tier.put(keys, list(data))) == [True, True, False]
-    out = torch.zeros_like(data)
-    assert asyncio.run(tier.get(keys, list(out))) == [True, True, False]
-    assert torch.equal(out[:2], data[:2]) and tier.usage_bytes() == 2 * block.nbytes
-    assert tier.views(keys[:1])[0].device.type == "cuda"
+    slab = torch.zeros((64, 32), dtype=torch.uint8)
+    other = torch.zeros((4, 32), dtype=torch.uint8)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
+    gpu = torch.device("cuda", 0)
+    assert cuda.reachable(list(slab), gpu) and len(asked) == 1
+    assert not cuda.reachable([*slab[:3], other[0]], gpu)
+    assert cuda.reachable(list(other), torch.device("cpu"))  # the kernel's own device needs no query
+    with pytest.raises(LayoutMismatch, match=r"blocks\[2\] is on cpu, which a kernel on cuda:0 cannot reach"):
+        cuda._block_addresses([slab[0], slab[1], other[0]], None, gpu, "blocks")
