@@ -26,7 +26,7 @@ from kvtier.errors import LayoutMismatch, TierUnavailable
 from kvtier.kernels import fallback
 from kvtier.layout import BlockLayout, PerLayerLayout
 
-__all__ = ["KERNEL_SOURCES", "PieceGeometry", "copy_blocks", "kernel_source", "load_module",
+__all__ = ["KERNEL_SOURCES", "NVRTC_OPTIONS", "PieceGeometry", "copy_blocks", "kernel_source", "load_module",
            "pack_blocks", "piece_byte_addresses", "piece_geometry", "reachable", "require_cuda", "unpack_blocks"]
 
 #: The CUDA sources shipped in this package (``kvtier/kernels/*.cu``).
@@ -35,6 +35,11 @@ KERNEL_SOURCES = ("copy_blocks.cu",)
 THREADS = 256
 #: CUDA blocks per SM of the grid-stride loops (``KVTIER_BLOCKS_PER_SM``, the ``__launch_bounds__``).
 BLOCKS_PER_SM = 4
+#: Options :func:`load_module` hands CuPy's NVRTC (CuPy adds ``-arch``, ``-ftz=true``, include paths and,
+#: from NVRTC 12, ``--device-as-default-execution-space``). CI compiles the shipped source with exactly
+#: these through NVRTC itself (``tests/kernels/nvrtc.py``), so a source nvcc accepts but NVRTC refuses
+#: fails there, not at the first transfer on a GPU.
+NVRTC_OPTIONS = ("-std=c++17",)
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ def load_module(device_index: int) -> Any:
     """Compile ``copy_blocks.cu`` with NVRTC for ``device_index`` (once per process and device)."""
     cupy = require_cuda()
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=kernel_source(), options=("-std=c++17",))
+        module = cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
         module.compile()
     return module
 
