@@ -8,9 +8,13 @@ Two faces, like redis-py: :class:`AsyncTieredCache` (coroutines, for async engin
 :class:`TieredCache` (blocking calls, for everyone else; it runs the async core on a private event
 loop thread, so transfers also run while the caller computes: ``submit_load``/``submit_store``).
 
-Concurrency: index mutations happen only on the event loop thread. Stores and promotions hold one
-asyncio lock while planning and executing (their room-making must not interleave); loads read
-pinned blocks without it, so reads overlap with writes.
+Concurrency: every index mutation holds one ``threading.Lock`` (never across an ``await``), so
+other threads may pin blocks synchronously with :meth:`AsyncTieredCache.lease` — an engine's
+scheduler promises a block without a hop to the loop thread, and no eviction can take it in
+between. Stores and promotions also hold one asyncio lock while planning and executing (their
+room-making must not interleave); loads read pinned blocks without it, so reads overlap with writes.
+:class:`ResidencyWatcher` objects hear of index changes as they happen (a connector mirrors what
+is loadable, and reports blocks that left every tier).
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Container, Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -32,7 +36,7 @@ from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats, TierActivity, TierStats
 from kvtier.policy import InsertHint
-from kvtier.residency import Plan, Residency
+from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import aligned_empty
 
@@ -43,6 +47,22 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 Blocks = torch.Tensor | Sequence[torch.Tensor]
+
+
+class ResidencyWatcher(Protocol):
+    """Hears of index changes (:meth:`AsyncTieredCache.add_watcher`).
+
+    Called on the thread that made the change, with the cache's index lock held, right after it:
+    a watcher must be quick and must not call back into the cache. ``residency_changed`` names keys
+    whose entry in some tier was added, became readable, or was removed (a connector re-reads what
+    it mirrors; registering reports every indexed key once). ``blocks_removed`` names keys that no
+    tier holds any more as far as kvtier knows: evicted with no lower copy written, or lost or
+    corrupt with no other copy (a self-evicting tier such as Redis expires keys unseen).
+    """
+
+    def residency_changed(self, keys: Sequence[BlockKey]) -> None: ...
+
+    def blocks_removed(self, keys: Sequence[BlockKey]) -> None: ...
 
 
 class AsyncTieredCache:
@@ -60,6 +80,8 @@ class AsyncTieredCache:
         self._activity = [TierActivity() for _ in self.tiers]
         self._remote = [t for t, tier in enumerate(self.tiers) if tier.self_evicting]
         self._mutation: asyncio.Lock | None = None
+        self._index_lock = threading.Lock()
+        self._watchers: list[ResidencyWatcher] = []
         self._counts = dict(lookups=0, lookup_blocks=0, lookup_hit_blocks=0, loads=0, load_blocks=0,
                             loaded_blocks=0, stored_blocks=0)
         self._started = False
@@ -90,13 +112,15 @@ class AsyncTieredCache:
             if tier.self_evicting:
                 continue
             surplus: list[BlockKey] = []
-            for key in tier.keys():
-                if key.group_id not in index.block_bytes or key in index:
-                    continue
-                if index.victims_for(key.group_id, index.block_bytes[key.group_id]) != []:
-                    surplus.append(key)
-                    continue
-                index.add(key, InsertHint(), ready=True)
+            with self._index_lock:
+                for key in tier.keys():
+                    if key.group_id not in index.block_bytes or key in index:
+                        continue
+                    if index.victims_for(key.group_id, index.block_bytes[key.group_id]) != []:
+                        surplus.append(key)
+                        continue
+                    index.add(key, InsertHint(), ready=True)
+                self._changed(index.keys())
             if surplus:
                 log.info("tier %s holds %d blocks beyond its capacity; deleting them", tier.name, len(surplus))
                 await self._safe_delete(t, surplus)
@@ -138,10 +162,12 @@ class AsyncTieredCache:
         buffers = self._byte_blocks(keys, out, "out")
         self._counts["loads"] += 1
         self._counts["load_blocks"] += len(keys)
-        where = self._still_ready(keys, await self._locate(keys))
+        located = await self._locate(keys)
+        with self._index_lock:
+            where = self._still_ready(keys, located)
+            for t, key in zip(where, keys, strict=False):
+                self.residency.tiers[t].pin(key)
         n = len(where)
-        for t, key in zip(where, keys, strict=False):
-            self.residency.tiers[t].pin(key)
         ok = [False] * n
         try:
             by_tier: dict[int, list[int]] = {}
@@ -159,14 +185,16 @@ class AsyncTieredCache:
                         failed.append(keys[i])
                 await self._forget_lost(t, failed)
         finally:
-            for t, key in zip(where, keys, strict=False):
-                self.residency.tiers[t].unpin(key)
+            with self._index_lock:
+                for t, key in zip(where, keys, strict=False):
+                    self.residency.tiers[t].unpin(key)
         loaded = ok.index(False) if False in ok else n
-        for i in range(loaded):
-            t = where[i]
-            self._activity[t].hits += 1
-            if not self.tiers[t].self_evicting:
-                self.residency.touch(t, keys[i])
+        with self._index_lock:
+            for i in range(loaded):
+                t = where[i]
+                self._activity[t].hits += 1
+                if not self.tiers[t].self_evicting:
+                    self.residency.touch(t, keys[i])
         # a tier misses every block the walk down the hierarchy asked it for and it did not serve
         for t, activity in enumerate(self._activity):
             activity.misses += sum(1 for i in range(loaded) if where[i] > t) + len(keys) - loaded
@@ -187,11 +215,97 @@ class AsyncTieredCache:
             hints = [InsertHint(position=i) for i in range(len(keys))]
         assert self._mutation is not None
         async with self._mutation:
-            plan = self.residency.plan_store(keys, hints)
+            plan = self._plan_store(keys, hints)
             stored = await self._execute(plan, keys, buffers)
         count = len(set(stored) | set(plan.skipped))
         self._counts["stored_blocks"] += count
         return count
+
+    def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
+        """Pin each key where a readable copy is, for a read that comes later; thread-safe, never blocks on I/O.
+
+        Per key: the top-most of ``tiers`` (default: every tier kvtier indexes) holding it READY,
+        now pinned there, or None (nothing pinned). Until :meth:`release`, a pinned copy is never
+        evicted, demoted away or overwritten (DESIGN.md §8.2), so a :meth:`load` reads it. Meant for
+        engines that promise blocks on another thread than the cache's loop (vLLM's scheduler):
+        one lock instead of a hop to the loop. Self-evicting tiers (Redis) cannot be pinned.
+        """
+        indexes = self.residency.tiers
+        candidates = [(t, indexes[t].entries, indexes[t].pins)
+                      for t in (range(len(indexes)) if tiers is None else tiers) if not self.tiers[t].self_evicting]
+        where: list[int | None] = []
+        append = where.append
+        with self._index_lock:
+            for key in keys:
+                for t, entries, pins in candidates:
+                    if entries.get(key) == READY:
+                        pins[key] = pins.get(key, 0) + 1  # TierIndex.pin, inlined: this is an engine's hot path
+                        append(t)
+                        break
+                else:
+                    append(None)
+        return where
+
+    def release(self, keys: Sequence[BlockKey], where: Sequence[int | None]) -> None:
+        """Drop the pins :meth:`lease` took (``where`` is what it returned); thread-safe."""
+        indexes = self.residency.tiers
+        with self._index_lock:
+            for key, t in zip(keys, where, strict=True):
+                if t is not None:
+                    pins = indexes[t].pins  # TierIndex.unpin, inlined (hot path)
+                    count = pins.get(key, 0) - 1
+                    if count > 0:
+                        pins[key] = count
+                    else:
+                        pins.pop(key, None)
+
+    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks) -> None:
+        """Copy blocks that :meth:`lease` pinned in memory tiers into ``out``, on the caller's thread.
+
+        Thread-safe, no I/O: the copies are memory copies, with no hop to the loop thread — whose
+        wake-ups cost milliseconds next to an engine thread that keeps the GIL busy. Counts hits and
+        refreshes recency as :meth:`load` does; does not promote (the caller chose the copy where it
+        is). The pins stay: :meth:`release` them after. Raises ``ValueError`` for a key that is not
+        pinned READY in its memory tier (a caller bug: such a copy could change under the read).
+        """
+        buffers = self._byte_blocks(keys, out, "out")
+        by_tier: dict[int, list[int]] = {}
+        with self._index_lock:
+            for i, (key, t) in enumerate(zip(keys, where, strict=True)):
+                index = self.residency.tiers[t]
+                if not self.tiers[t].addressable or key not in index.pins or not index.is_ready(key):
+                    raise ValueError(f"{key} is not leased in memory tier {self.tiers[t].name}")
+                by_tier.setdefault(t, []).append(i)
+        for t, idx in by_tier.items():
+            start = time.perf_counter()
+            for i, view in zip(idx, self.tiers[t].views([keys[i] for i in idx]), strict=True):
+                buffers[i].copy_(view)
+            elapsed = time.perf_counter() - start
+            with self._index_lock:
+                tier, activity = self.tiers[t], self._activity[t]
+                tier.counters.blocks_read += len(idx)
+                tier.counters.bytes_read += sum(buffers[i].numel() for i in idx)
+                tier.counters.read_seconds += elapsed
+                activity.observe("get", elapsed)
+                activity.hits += len(idx)
+                for i in idx:
+                    self.residency.touch(t, keys[i])
+                for above in self._activity[:t]:
+                    above.misses += len(idx)
+        with self._index_lock:
+            self._counts["loads"] += 1
+            self._counts["load_blocks"] += len(keys)
+            self._counts["loaded_blocks"] += len(keys)
+
+    def add_watcher(self, watcher: ResidencyWatcher) -> None:
+        """Tell ``watcher`` of index changes from now on, after reporting every indexed key to it once."""
+        with self._index_lock:
+            self._watchers.append(watcher)
+            known: set[BlockKey] = set()
+            for index in self.residency.tiers:
+                known.update(index.keys())
+            if known:
+                watcher.residency_changed(list(known))
 
     def stats(self) -> CacheStats:
         """A snapshot of counters; cheap, safe to call at any time."""
@@ -251,6 +365,31 @@ class AsyncTieredCache:
                 raise LayoutMismatch(f"{key} names group {key.group_id}; the model's groups are "
                                      f"{sorted(self.layouts)}")
 
+    def _changed(self, keys: Iterable[BlockKey]) -> None:
+        """Tell the watchers (index lock held)."""
+        if self._watchers:
+            changed = list(keys)
+            if changed:
+                for watcher in self._watchers:
+                    watcher.residency_changed(changed)
+
+    def _report_removed(self, keys: Iterable[BlockKey], copied: Container[BlockKey] = ()) -> None:
+        """Tell the watchers which of ``keys`` (just dropped from a tier) no tier holds now (index lock held).
+
+        ``copied``: keys a self-evicting tier accepted (the index cannot see those copies)."""
+        if self._watchers:
+            gone = [k for k in keys if k not in copied and self.residency.locate(k) is None]
+            if gone:
+                for watcher in self._watchers:
+                    watcher.blocks_removed(gone)
+
+    def _plan_store(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None,
+                    only_tier: int | None = None) -> Plan:
+        with self._index_lock:
+            plan = self.residency.plan_store(keys, hints, only_tier=only_tier)
+            self._changed(k for drops in plan.drops for k in drops)
+        return plan
+
     def _still_ready(self, keys: Sequence[BlockKey], where: list[int]) -> list[int]:
         """Cut ``where`` at the first local copy that stopped being READY while ``_locate`` awaited a
         remote tier (evicted, or rewritten and pending): a load must pin only what it can read."""
@@ -265,9 +404,12 @@ class AsyncTieredCache:
         if not keys or self.tiers[t].self_evicting:
             return
         held = await self._safe_io(t, "contains", keys)
-        for key, still in zip(keys, held, strict=True):
-            if not still:
+        lost = [key for key, still in zip(keys, held, strict=True) if not still]
+        with self._index_lock:
+            for key in lost:
                 self.residency.forget(t, key)
+            self._changed(lost)
+            self._report_removed(lost)
 
     async def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
         """Tier of each leading cached key (top-most copy); asks self-evicting tiers for the rest."""
@@ -298,26 +440,29 @@ class AsyncTieredCache:
         async with self._mutation:
             sub_keys = [keys[i] for i in todo]
             hints = [InsertHint(position=i) for i in todo]  # positions in the request's chain
-            plan = self.residency.plan_store(sub_keys, hints, only_tier=target)
+            plan = self._plan_store(sub_keys, hints, only_tier=target)
             done = await self._execute(plan, sub_keys, [buffers[i] for i in todo])
             self._activity[target].promotions_in += len(done)
             if not placement.keep_lower_copy:
                 moved: dict[int, list[BlockKey]] = {}
-                for j in done:
-                    src, key = where[todo[j]], sub_keys[j]
-                    index = self.residency.tiers[src]
-                    if self.tiers[src].self_evicting or key in index.pins:
-                        continue  # another load is reading that copy: it stays (inclusive for now)
-                    if index.discard(key):
-                        moved.setdefault(src, []).append(key)
+                with self._index_lock:
+                    for j in done:
+                        src, key = where[todo[j]], sub_keys[j]
+                        index = self.residency.tiers[src]
+                        if self.tiers[src].self_evicting or key in index.pins:
+                            continue  # another load is reading that copy: it stays (inclusive for now)
+                        if index.discard(key):
+                            moved.setdefault(src, []).append(key)
+                    self._changed(k for gone in moved.values() for k in gone)
                 for src, gone in moved.items():
                     await self._safe_delete(src, gone)
 
     async def _execute(self, plan: Plan, keys: Sequence[BlockKey], buffers: list[torch.Tensor]) -> list[int]:
         """Run a plan bottom-up (demote, drop), then the writes; return caller indexes now stored."""
+        copied: set[BlockKey] = set()
         for t in reversed(range(len(self.tiers))):
             if plan.demotions[t]:
-                await self._demote(t, plan.demotions[t])
+                copied.update(await self._demote(t, plan.demotions[t]))
             if plan.drops[t]:
                 self._activity[t].evictions += len(plan.drops[t])
                 await self._safe_delete(t, plan.drops[t])
@@ -327,23 +472,28 @@ class AsyncTieredCache:
             self._safe_io(t, "put", [keys[i] for i in idx], [buffers[i] for i in idx]) for t, idx in writes),
             return_exceptions=True)
         refused: BaseException | None = None  # a tier refused the caller's buffers (LayoutMismatch)
-        for (t, idx), res in zip(writes, results, strict=True):
-            if isinstance(res, BaseException):
-                refused = refused or res
-                res = [False] * len(idx)  # settle the plan's entries before raising: nothing leaks
-            for i, ok in zip(idx, res, strict=True):
-                self.residency.finish_write(t, keys[i], ok)
-                if ok:
-                    stored.add(i)
-                    self._activity[t].stores += 1
-                else:
-                    self._activity[t].failed_stores += 1
+        with self._index_lock:
+            for (t, idx), res in zip(writes, results, strict=True):
+                if isinstance(res, BaseException):
+                    refused = refused or res
+                    res = [False] * len(idx)  # settle the plan's entries before raising: nothing leaks
+                for i, ok in zip(idx, res, strict=True):
+                    self.residency.finish_write(t, keys[i], ok)
+                    if ok:
+                        stored.add(i)
+                        self._activity[t].stores += 1
+                    else:
+                        self._activity[t].failed_stores += 1
+                self._changed(keys[i] for i in idx)
+            self._report_removed((k for drops in plan.drops for k in drops), copied)
         if refused is not None:
             raise refused
         return sorted(stored)
 
-    async def _demote(self, src: int, moves: list[tuple[BlockKey, int]]) -> None:
-        """Copy evicted blocks from ``src`` to their lower tiers (zero-copy when ``src`` is memory)."""
+    async def _demote(self, src: int, moves: list[tuple[BlockKey, int]]) -> list[BlockKey]:
+        """Copy evicted blocks from ``src`` to their lower tiers (zero-copy when ``src`` is memory).
+
+        Returns the keys a self-evicting tier accepted (the index cannot see those copies)."""
         keys = [k for k, _ in moves]
         tier = self.tiers[src]
         if tier.addressable:
@@ -353,20 +503,27 @@ class AsyncTieredCache:
             buffers = [aligned_empty(tier.block_bytes(k.group_id)) for k in keys]
             readable = await self._safe_io(src, "get", keys, buffers)
         by_dst: dict[int, list[int]] = {}
-        for i, (_, dst) in enumerate(moves):
-            if readable[i]:
-                by_dst.setdefault(dst, []).append(i)
-            else:
-                self.residency.finish_demotion(src, dst, keys[i], False)
+        with self._index_lock:
+            for i, (_, dst) in enumerate(moves):
+                if readable[i]:
+                    by_dst.setdefault(dst, []).append(i)
+                else:
+                    self.residency.finish_demotion(src, dst, keys[i], False)
+        copied: list[BlockKey] = []
         for dst, idx in by_dst.items():
             res = await self._safe_io(dst, "put", [keys[i] for i in idx], [buffers[i] for i in idx])
-            for i, ok in zip(idx, res, strict=True):
-                self.residency.finish_demotion(src, dst, keys[i], ok)
-                if ok:
-                    self._activity[src].demotions_out += 1
-                    self._activity[dst].stores += 1
-                else:
-                    self._activity[dst].failed_stores += 1
+            with self._index_lock:
+                for i, ok in zip(idx, res, strict=True):
+                    self.residency.finish_demotion(src, dst, keys[i], ok)
+                    if ok:
+                        self._activity[src].demotions_out += 1
+                        self._activity[dst].stores += 1
+                        if self.tiers[dst].self_evicting:
+                            copied.append(keys[i])
+                    else:
+                        self._activity[dst].failed_stores += 1
+                self._changed(keys[i] for i in idx)
+        return copied
 
     async def _safe_io(self, t: int, op: str, keys: list[BlockKey], *args: Any) -> list[bool]:
         """Call a tier's batched op; an unexpected exception is logged, counted and becomes all-False."""
@@ -471,6 +628,22 @@ class TieredCache:
         """Start a store; ``blocks`` must stay unchanged until the future is done."""
         return self._submit(self.core.store(keys, blocks, hints))
 
+    def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
+        """See :meth:`AsyncTieredCache.lease` (thread-safe; runs on the caller's thread)."""
+        return self.core.lease(keys, tiers)
+
+    def release(self, keys: Sequence[BlockKey], where: Sequence[int | None]) -> None:
+        """See :meth:`AsyncTieredCache.release`."""
+        self.core.release(keys, where)
+
+    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks) -> None:
+        """See :meth:`AsyncTieredCache.read_leased` (runs on the caller's thread)."""
+        self.core.read_leased(keys, where, out)
+
+    def add_watcher(self, watcher: ResidencyWatcher) -> None:
+        """See :meth:`AsyncTieredCache.add_watcher`."""
+        self.core.add_watcher(watcher)
+
     def stats(self) -> CacheStats:
         return self._call(self._snapshot())
 
@@ -506,4 +679,4 @@ class TieredCache:
         return self._submit(coro).result()
 
 
-__all__ = ["AsyncTieredCache", "TieredCache"]
+__all__ = ["AsyncTieredCache", "ResidencyWatcher", "TieredCache"]

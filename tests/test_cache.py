@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +15,7 @@ import torch
 
 from kvtier import AsyncTieredCache, BlockKey, LayoutMismatch, TieredCache
 from kvtier.tiers.base import Tier
-from tests.helpers import make_keys, random_blocks, small_layout
+from tests.helpers import SMALL_MODEL, make_keys, random_blocks, small_layout
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -208,3 +212,164 @@ def test_multiple_groups_with_their_own_block_sizes(tmp_path: Path) -> None:
             assert cache.store(keys[g.group_id], blocks) == len(blocks)
             out = torch.empty_like(blocks)
             assert cache.load(keys[g.group_id], out) == len(blocks) and same(out, blocks)
+
+
+# --- leases: pins taken on the caller's thread (DESIGN.md §8.2) -------------------------------------------
+def test_lease_pins_the_top_most_ready_copy_until_release(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    two_tier_config["placement"] = {"write_mode": "write_through"}
+    keys, blocks = make_keys(3), random_blocks(3, layout)
+    with TieredCache.from_config(two_tier_config) as cache:
+        cache.store(keys[:2], blocks[:2])
+        cpu, disk = cache.core.residency.tiers
+        where = cache.lease(keys)
+        assert where == [0, 0, None]  # the third key is nowhere: nothing pinned for it
+        assert cpu.pins == {keys[0]: 1, keys[1]: 1} and not disk.pins
+        assert cache.lease(keys[:1], tiers=[1]) == [1]  # only the tiers asked for
+        assert disk.pins == {keys[0]: 1}
+        cache.release(keys, where)
+        cache.release(keys[:1], [1])
+        assert not cpu.pins and not disk.pins
+
+
+def test_leased_blocks_are_never_evicted_or_overwritten(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(30), random_blocks(30, layout, seed=5)
+    with TieredCache.from_config(two_tier_config) as cache:
+        cache.store(keys[:4], blocks[:4])
+        where = cache.lease(keys[:4])
+        assert where == [0] * 4
+        for i in range(4, 30):  # a full CPU tier of leased blocks: every store goes below it
+            cache.store(keys[i:i + 1], blocks[i:i + 1])
+        cache.store(keys[:4], random_blocks(4, layout, seed=6))  # the same keys again: only touched
+        cpu = cache.core.residency.tiers[0]
+        assert all(cpu.is_ready(k) for k in keys[:4])
+        out = torch.empty((4, *layout.shape), dtype=layout.dtype)
+        cache.read_leased(keys[:4], where, out)
+        assert same(out, blocks[:4])
+        cache.release(keys[:4], where)
+        cache.store(keys[4:8], blocks[4:8])  # released: now they can go
+        assert not any(cpu.is_ready(k) for k in keys[:4])
+
+
+def test_read_leased_counts_hits_and_refuses_an_unleased_block(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(2), random_blocks(2, layout)
+    with TieredCache.from_config(two_tier_config) as cache:
+        cache.store(keys, blocks)
+        out = torch.empty((1, *layout.shape), dtype=layout.dtype)
+        with pytest.raises(ValueError, match="not leased"):
+            cache.read_leased(keys[:1], [0], out)
+        where = cache.lease(keys)
+        cache.read_leased(keys[1:], where[1:], out)
+        cache.release(keys, where)
+        assert same(out[0], blocks[1])
+        stats = cache.stats()
+        assert stats.tiers[0].hits == 1 and stats.loaded_blocks == 1
+
+
+def test_leases_from_many_threads_hold_under_concurrent_stores_and_loads(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    block = layout.nbytes
+    two_tier_config["tiers"][0]["capacity"] = 8 * block
+    two_tier_config["tiers"][1]["capacity"] = 24 * block
+    keys, blocks = make_keys(40), random_blocks(40, layout, seed=7)
+    errors: list[BaseException] = []
+    leased_blocks = [0]
+    done = threading.Event()
+
+    def leaser(seed: int, cache: TieredCache) -> None:
+        rng = random.Random(seed)
+        indexes = cache.core.residency.tiers
+        try:
+            while not done.is_set():
+                picked = rng.sample(range(40), 4)
+                chosen = [keys[i] for i in picked]
+                where = cache.lease(chosen, tiers=[0])
+                held = [(i, key, t) for i, key, t in zip(picked, chosen, where, strict=True) if t is not None]
+                time.sleep(0.001)  # stores and evictions run meanwhile
+                for _, key, t in held:
+                    assert indexes[t].is_ready(key) and key in indexes[t].pins
+                if held:
+                    out = torch.empty((len(held), *layout.shape), dtype=layout.dtype)
+                    cache.read_leased([k for _, k, _ in held], [t for _, _, t in held], out)
+                    for row, (i, _, _) in enumerate(held):
+                        assert same(out[row], blocks[i]), f"leased block {i} changed under its lease"
+                    leased_blocks[0] += len(held)
+                cache.release(chosen, where)
+        except BaseException as exc:  # surfaced by the main thread
+            errors.append(exc)
+
+    with TieredCache.from_config(two_tier_config) as cache:
+        threads = [threading.Thread(target=leaser, args=(seed, cache)) for seed in range(3)]
+        for thread in threads:
+            thread.start()
+        rng = random.Random(0)
+        out = torch.empty((1, *layout.shape), dtype=layout.dtype)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and not errors:
+            i = rng.randrange(40)
+            if rng.random() < 0.6:
+                cache.store(keys[i:i + 1], blocks[i:i + 1])
+            elif cache.load(keys[i:i + 1], out) == 1:  # a hit below is promoted: more churn
+                assert same(out[0], blocks[i])
+        done.set()
+        for thread in threads:
+            thread.join(timeout=10)
+        assert not errors, errors[0]
+        assert leased_blocks[0] > 0
+        for tier, index in zip(cache.core.tiers, cache.core.residency.tiers, strict=True):
+            assert not index.pins
+            assert tier.usage_bytes() == index.usage()
+
+
+# --- watchers ---------------------------------------------------------------------------------------------
+class Recorder:
+    """A ResidencyWatcher that writes down what it hears."""
+
+    def __init__(self) -> None:
+        self.changed: list[BlockKey] = []
+        self.removed: list[BlockKey] = []
+
+    def residency_changed(self, keys: Sequence[BlockKey]) -> None:
+        self.changed.extend(keys)
+
+    def blocks_removed(self, keys: Sequence[BlockKey]) -> None:
+        self.removed.extend(keys)
+
+
+def test_watchers_hear_of_changes_and_of_blocks_that_left_every_tier(tmp_path: Path) -> None:
+    layout = small_layout()
+    block = layout.nbytes
+    config = {"model": dict(SMALL_MODEL), "hash_block_size": 16,
+              "tiers": [{"type": "cpu", "capacity": 2 * block},
+                        {"type": "file", "path": str(tmp_path), "capacity": 2 * block}]}
+    keys, blocks = make_keys(6), random_blocks(6, layout)
+    with TieredCache.from_config(config) as cache:
+        cache.store(keys[:1], blocks[:1])
+        recorder = Recorder()
+        cache.add_watcher(recorder)
+        assert recorder.changed == keys[:1]  # what is indexed already, once
+        for i in range(1, 4):
+            cache.store(keys[i:i + 1], blocks[i:i + 1])
+        assert recorder.removed == []  # evicted from memory but demoted: still cached
+        assert set(keys[:4]) <= set(recorder.changed)
+        for i in range(4, 6):
+            cache.store(keys[i:i + 1], blocks[i:i + 1])
+        assert recorder.removed == keys[:2]  # pushed out of the bottom tier: gone
+        assert [cache.core.residency.locate(k) for k in keys[:2]] == [None, None]
+
+
+def test_a_lost_block_is_reported_removed(tmp_path: Path) -> None:
+    layout = small_layout()
+    config = {"model": dict(SMALL_MODEL), "hash_block_size": 16,
+              "tiers": [{"type": "file", "path": str(tmp_path), "capacity": "1MiB"}]}
+    keys, blocks = make_keys(2), random_blocks(2, layout)
+    with TieredCache.from_config(config) as cache:
+        cache.store(keys, blocks)
+        recorder = Recorder()
+        cache.add_watcher(recorder)
+        cache.core.tiers[0].path_of(keys[1]).unlink()  # type: ignore[attr-defined]
+        out = torch.empty((2, *layout.shape), dtype=layout.dtype)
+        assert cache.load(keys, out) == 1
+        assert recorder.removed == keys[1:]
