@@ -134,7 +134,11 @@ def test_kernels_raise_tier_unavailable_without_cuda() -> None:
 
 
 def test_importing_kvtier_needs_no_cupy() -> None:
-    code = "import sys, kvtier, kvtier.kernels.cuda, kvtier.tiers.gpu; sys.exit('cupy' in sys.modules)"
+    """Every GPU module imports without CuPy (and a gpu tier's config validates): CuPy loads at the first launch."""
+    code = ("import sys, kvtier, kvtier.kernels.cuda, kvtier.kernels.copy_engine, kvtier.tiers.gpu\n"
+            "kvtier.load_config({'model': {'name': 'm', 'num_layers': 1, 'num_kv_heads': 1, 'head_dim': 8},\n"
+            "                    'tiers': [{'type': 'gpu', 'capacity': '1MiB', 'transfer': {'method': 'kernel'}}]})\n"
+            "sys.exit('cupy' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
