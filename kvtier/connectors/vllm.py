@@ -23,15 +23,26 @@ How vLLM's calls map onto kvtier (DESIGN.md §2, §7):
   the file tier is read and checksum-verified; RETRY while a remote tier (Redis) is asked for it;
   MISS otherwise. vLLM 0.32 cannot fail a load job (its worker asserts success), so a block is only
   ever promised once its bytes are in memory and verified: slow tiers are promoted, never read
-  directly by a load. A block that fails its checksum is a miss and is dropped.
-* ``prepare_load`` pins the blocks where they are (one hop to kvtier's loop thread), so neither an
-  eviction nor a demotion can take them before the worker reads them; the worker's read unpins.
+  directly by a load. A block that fails its checksum is a miss and is dropped. A hit is one dict
+  probe on vLLM's own bytes in :class:`IndexMirror` (every block a memory tier holds, mirrored from
+  kvtier's index as it changes).
+* ``prepare_load`` pins the blocks where they are on the scheduler's thread
+  (:meth:`AsyncTieredCache.lease`: one lock, no hop to kvtier's loop thread), so neither an eviction
+  nor a demotion can take them before the worker reads them; the worker's read unpins. Only a block
+  that left memory since its lookup costs a hop (it is read back from a lower tier, verified).
 * ``prepare_store`` returns the chunks no memory tier holds yet; the worker gathers their pages and
   ``TieredCache.store`` places them (evicting and demoting per the config). ``complete_store``
   ends the pending state; a store a tier refused is simply a later miss.
+* Removals: a block that leaves every tier kvtier indexes (evicted with no lower copy, or lost or
+  corrupt) is reported in the ``evicted_keys`` of the next ``prepare_store`` and, with vLLM's KV
+  events on, as a removed ``OffloadingEvent`` — once: a ``take_events`` that comes first takes it.
+  Redis expires keys on its own, unseen.
 * The worker copies pages with torch on any device (vLLM's CPU backend included): per-layer pages
   are packed into one cross-layer block on the way out and unpacked on the way in; a group whose
-  layers share one block-compact region moves with one copy per block.
+  layers share one block-compact region moves with one copy per block. A load's blocks are in
+  memory by then, so it copies them on the engine's thread at once (no hop to kvtier's loop thread,
+  whose wake-ups cost milliseconds next to an engine thread that keeps the GIL busy); a store's
+  pages are copied out at once and written to the tiers on the loop thread.
 
 Process model: the scheduler and the worker of one engine share this module's state, so they must
 run in one process (vLLM's single-worker executor: ``world_size == 1``; with or without
@@ -47,12 +58,12 @@ import re
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -63,7 +74,7 @@ from kvtier.config import KVTierConfig, load_config, parse_size, read_config_map
 from kvtier.errors import KVTierConfigError, KVTierError, LayoutMismatch
 from kvtier.layout import parse_dtype
 from kvtier.metrics import CacheStats
-from kvtier.residency import READY
+from kvtier.residency import READY, Residency
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -235,18 +246,20 @@ class KeyCodec:
 
     def __init__(self, vllm_group_ids: Sequence[int]) -> None:
         self.vllm_group_ids = tuple(vllm_group_ids)
-        self._kvtier_group = {gid: i for i, gid in enumerate(self.vllm_group_ids)}
+        self._suffixes = tuple(gid.to_bytes(4, "big") for gid in self.vllm_group_ids)
+        self._kvtier_group = {suffix: i for i, suffix in enumerate(self._suffixes)}
 
     def block_key(self, offload_key: bytes) -> BlockKey:
-        vllm_group = int.from_bytes(offload_key[-4:], "big")
         try:
-            return BlockKey(bytes(offload_key[:-4]), self._kvtier_group[vllm_group])
+            group_id = self._kvtier_group[offload_key[-4:]]
         except KeyError:
-            raise LayoutMismatch(f"offload key names vLLM KV-cache group {vllm_group}; kvtier was configured for "
-                                 f"groups {list(self.vllm_group_ids)}") from None
+            raise LayoutMismatch(f"offload key names vLLM KV-cache group {int.from_bytes(offload_key[-4:], 'big')}; "
+                                 f"kvtier was configured for groups {list(self.vllm_group_ids)}") from None
+        # tuple.__new__ is what BlockKey(...) runs, without the Python-level __new__ (a scheduler-path cost)
+        return tuple.__new__(BlockKey, (offload_key[:-4], group_id))
 
     def offload_key(self, key: BlockKey) -> bytes:
-        return key.block_hash + self.vllm_group_ids[key.group_id].to_bytes(4, "big")
+        return key.block_hash + self._suffixes[key.group_id]
 
 
 # --- per-engine runtime: the async cache on its own loop, and staging ----------------------------------
@@ -291,13 +304,18 @@ class Staging:
                 self._pins[key] = self._pins.get(key, 0) + 1
             return True
 
-    def pin(self, key: BlockKey) -> bool:
+    def pin_each(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Pin every held key of ``keys`` (one lock for the batch); which ones were held."""
+        held = []
         with self._lock:
-            if key not in self._blocks:
-                return False
-            self._pins[key] = self._pins.get(key, 0) + 1
-            self._blocks.move_to_end(key)
-            return True
+            for key in keys:
+                if key in self._blocks:
+                    self._pins[key] = self._pins.get(key, 0) + 1
+                    self._blocks.move_to_end(key)
+                    held.append(True)
+                else:
+                    held.append(False)
+        return held
 
     def unpin(self, key: BlockKey) -> None:
         with self._lock:
@@ -323,11 +341,54 @@ class Staging:
                 self.used_bytes -= self._blocks.pop(key).numel()
 
 
-class OffloadRuntime:
-    """One engine's kvtier state in this process: the async cache on a private loop thread, and staging.
+#: removals kept for vLLM until it asks (reported once; the oldest go first if it never asks)
+MAX_REMOVED_KEYS = 1 << 16
 
-    The scheduler-side manager and the worker share it. Index operations that must be atomic with
-    respect to stores (pins) run on the loop thread; the manager's lookups only read the index.
+
+class IndexMirror:
+    """kvtier's index as vLLM's scheduler asks about it, kept current by the cache (a ``ResidencyWatcher``).
+
+    ``loadable`` maps the offload key (vLLM's bytes) of every block a memory tier holds READY to its
+    :class:`BlockKey`, so a lookup is one dict probe on the engine's own key and ``prepare_load``
+    decodes nothing. It is written on kvtier's loop thread, with the cache's index lock held, and read
+    on the scheduler's thread: each is one dict operation, atomic under the GIL. A lookup sees a change
+    a moment late at most, as if it had looked a moment earlier; ``prepare_load`` never trusts the
+    mirror but pins under the lock. ``removed`` collects the offload keys of blocks that left every
+    tier, for vLLM's removal reports.
+    """
+
+    def __init__(self, codec: KeyCodec, residency: Residency, memory_tiers: Sequence[int]) -> None:
+        self.codec = codec
+        self.loadable: dict[bytes, BlockKey] = {}
+        self.removed: deque[bytes] = deque(maxlen=MAX_REMOVED_KEYS)
+        self._memory = [residency.tiers[t].entries for t in memory_tiers]
+
+    def residency_changed(self, keys: Sequence[BlockKey]) -> None:
+        loadable, memory, offload_key = self.loadable, self._memory, self.codec.offload_key
+        for key in keys:
+            if any(entries.get(key) == READY for entries in memory):
+                loadable[offload_key(key)] = key
+            else:
+                loadable.pop(offload_key(key), None)
+
+    def blocks_removed(self, keys: Sequence[BlockKey]) -> None:
+        self.removed.extend(self.codec.offload_key(key) for key in keys)
+
+    def take_removed(self) -> list[bytes]:
+        """The removals not reported yet (each is returned once)."""
+        removed, out = self.removed, []
+        while removed:
+            out.append(removed.popleft())
+        return out
+
+
+class OffloadRuntime:
+    """One engine's kvtier state in this process: the async cache on a private loop thread, staging,
+    and the index mirror.
+
+    The scheduler-side manager and the worker share it. Pins are taken, and leased blocks copied, on
+    the caller's thread under the cache's index lock (:meth:`lease`, :meth:`read`, :meth:`release`);
+    stores and reads of slow tiers run on the loop thread; the manager's lookups read the mirror.
     """
 
     def __init__(self, config: KVTierConfig, codec: KeyCodec, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
@@ -343,6 +404,8 @@ class OffloadRuntime:
         self._thread.start()
         self._closed = False
         self.call(self.core.start())
+        self.mirror = IndexMirror(codec, self.residency, self.memory_tiers)
+        self.core.add_watcher(self.mirror)
 
     # --- running on the loop ----------------------------------------------------------------------
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -379,10 +442,6 @@ class OffloadRuntime:
             raw = torch.empty((count, layout.nbytes), dtype=torch.uint8)
         return raw, raw.view(layout.dtype).view(count, *layout.shape)
 
-    def in_memory(self, key: BlockKey) -> bool:
-        tiers = self.residency.tiers
-        return any(tiers[t].entries.get(key) == READY for t in self.memory_tiers)
-
     # --- coroutines (run on the loop thread) ------------------------------------------------------------
     async def fetch(self, keys: Sequence[BlockKey]) -> int:
         """Read a chain of one group's keys from wherever they are, verified, and stage the copies.
@@ -402,22 +461,67 @@ class OffloadRuntime:
                 break
         return ready
 
-    async def lease(self, keys: Sequence[BlockKey]) -> list[int]:
-        """Pin each block where it is for a coming load; return its source per key.
+    # --- pins (any thread) ---------------------------------------------------------------------------
+    def lease(self, keys: Sequence[BlockKey]) -> tuple[int, ...]:
+        """Pin each block where it is for a coming load; return its source per key. Thread-safe.
 
         Source: a memory tier index (pinned there), :data:`STAGED` (pinned in staging), or :data:`LOST`
-        when a block vanished since lookup and could not be read back verified.
+        when a block vanished since lookup and could not be read back verified. Blocks in staging or
+        a memory tier are pinned on the caller's thread; only one that left memory since its lookup
+        costs a hop to the loop thread, which reads it back from a lower tier into staging.
         """
-        sources: list[int] = []
+        staged = self.staging.pin_each(keys) if len(self.staging) else None
+        rest = keys if staged is None else [key for key, held in zip(keys, staged, strict=True) if not held]
+        where = self.core.lease(rest, self.memory_tiers)
+        if staged is None and None not in where:
+            return cast("tuple[int, ...]", tuple(where))  # no None in it
+        leased = iter(where)
+        sources: list[int | None] = [STAGED if staged is not None and staged[i] else next(leased)
+                                     for i in range(len(keys))]
+        missing = [i for i, source in enumerate(sources) if source is None]
+        if missing:
+            for i, source in zip(missing, self.call(self._read_back([keys[i] for i in missing])), strict=True):
+                sources[i] = source
+        return tuple(source if source is not None else LOST for source in sources)
+
+    def release(self, keys: Sequence[BlockKey], sources: Sequence[int]) -> None:
+        """Drop the pins :meth:`lease` took (done by :meth:`read`; only call it for a load never read)."""
+        if STAGED in sources or LOST in sources:
+            for key, source in zip(keys, sources, strict=True):
+                if source == STAGED:
+                    self.staging.unpin(key)
+                    self.staging.discard(key)  # consumed: the tiers still hold the block
+            self.core.release(keys, [source if source >= 0 else None for source in sources])
+        else:
+            self.core.release(keys, sources)
+
+    def read(self, keys: Sequence[BlockKey], sources: Sequence[int], out: Sequence[torch.Tensor]) -> bool:
+        """Copy leased blocks into ``out`` (1-D uint8 each) on the caller's thread and release the leases.
+
+        True if all arrived (False only when :meth:`lease` could not hold one: nothing is copied then).
+        Every leased block is in memory — pinned in a memory tier or in staging — so this is memory
+        copies, with no hop to the loop thread (whose wake-ups next to a busy engine thread cost
+        milliseconds each).
+        """
+        try:
+            if LOST in sources:
+                return False
+            from_tiers = [i for i, source in enumerate(sources) if source >= 0]
+            for i, source in enumerate(sources):
+                if source == STAGED:
+                    out[i].copy_(self.staging.get(keys[i]))
+            if from_tiers:
+                self.core.read_leased([keys[i] for i in from_tiers], [sources[i] for i in from_tiers],
+                                      [self._typed(keys[i], out[i]) for i in from_tiers])
+            return True
+        finally:
+            self.release(keys, sources)
+
+    # --- coroutines (run on the loop thread) ------------------------------------------------------------
+    async def _read_back(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Read blocks that left memory since their lookup into staging, pinned: STAGED, or LOST."""
+        sources = []
         for key in keys:
-            if self.staging.pin(key):
-                sources.append(STAGED)
-                continue
-            tier = self.residency.locate(key)
-            if tier is not None and tier in self.memory_tiers:
-                self.residency.tiers[tier].pin(key)
-                sources.append(tier)
-                continue
             raw, typed = self.empty_blocks(key.group_id, 1)
             if await self.core.load([key], typed) == 1 and self.staging.put(key, raw[0], pinned=True):
                 sources.append(STAGED)
@@ -425,31 +529,6 @@ class OffloadRuntime:
                 log.error("kvtier: block %s vanished between lookup and load", key)
                 sources.append(LOST)
         return sources
-
-    async def read(self, keys: Sequence[BlockKey], sources: Sequence[int], out: Sequence[torch.Tensor]) -> bool:
-        """Copy leased blocks into ``out`` (1-D uint8 each) and release the leases. True if all arrived."""
-        try:
-            ok = LOST not in sources
-            from_tiers = [i for i, source in enumerate(sources) if source >= 0]
-            for i, source in enumerate(sources):
-                if source == STAGED:
-                    out[i].copy_(self.staging.get(keys[i]))
-            if from_tiers:
-                typed = [self._typed(keys[i], out[i]) for i in from_tiers]
-                loaded = await self.core.load([keys[i] for i in from_tiers], typed)
-                ok = ok and loaded == len(from_tiers)
-            return ok
-        finally:
-            await self.release(keys, sources)
-
-    async def release(self, keys: Sequence[BlockKey], sources: Sequence[int]) -> None:
-        """Drop the leases :meth:`lease` took (done by :meth:`read`; only call it for a load never read)."""
-        for key, source in zip(keys, sources, strict=True):
-            if source == STAGED:
-                self.staging.unpin(key)
-                self.staging.discard(key)  # consumed: the tiers still hold the block
-            elif source >= 0:
-                self.residency.tiers[source].unpin(key)
 
     async def write(self, batches: Sequence[tuple[list[BlockKey], torch.Tensor]]) -> int:
         """Store each group's blocks; return how many are now cached (a refused block is a later miss)."""
@@ -536,16 +615,13 @@ class _Fetch:
     future: concurrent.futures.Future[int] | None = None
 
 
-@dataclass
-class _Events:
-    stored: list[list[bytes]] = field(default_factory=list)
-
-
 class KVTierOffloadManager:
     """vLLM's scheduler-side calls over an :class:`OffloadRuntime` (independent of vLLM's classes).
 
-    Called on the scheduler thread only. ``lookup`` never blocks; ``prepare_load`` waits for one short
-    hop to kvtier's loop thread (the pins); everything else is bookkeeping.
+    Called on the scheduler thread only. ``lookup`` never blocks; ``prepare_load`` takes the cache's
+    index lock once (the pins), and hops to kvtier's loop thread only for a block that left memory
+    since its lookup; everything else is bookkeeping. Events (``enable_events``) are vLLM's
+    ``(offload keys, removed)`` pairs in the order they happened.
     """
 
     def __init__(self, runtime: OffloadRuntime, *, results: Mapping[Lookup, Any] | None = None,
@@ -557,32 +633,29 @@ class KVTierOffloadManager:
         self.runtime = runtime
         self._codec = runtime.codec
         self._residency = runtime.residency
-        self._memory = [runtime.residency.tiers[t].entries for t in runtime.memory_tiers]
+        self._loadable = runtime.mirror.loadable
+        self._has_memory = bool(runtime.memory_tiers)
         self._staging = runtime.staging
         self._spec_type = spec_type
         self._absent_ttl = absent_ttl
-        self._block_keys: dict[bytes, BlockKey] = {}
         self._storing: dict[bytes, int] = {}
         self._fetching: dict[bytes, _Fetch] = {}
         self._fetch_queue: dict[tuple[str, int], list[tuple[bytes, BlockKey]]] = {}
         self._absent: dict[bytes, float] = {}
-        self._events: _Events | None = _Events() if enable_events else None
+        self._events: list[tuple[list[bytes], bool]] | None = [] if enable_events else None
         self.counters = ManagerCounters()
 
     # --- lookups ------------------------------------------------------------------------------------
     def lookup(self, key: bytes, req_context: Any = None) -> Any:
         """Whether one chunk can be loaded now (HIT), soon (HIT_PENDING / RETRY), or not (MISS)."""
-        block_key = self._block_keys.get(key)
-        if block_key is None:
-            block_key = self._codec.block_key(key)
-        for entries in self._memory:
-            if entries.get(block_key) == READY:
-                return self._hit
+        if key in self._loadable:
+            return self._hit
+        return self._lookup_slow(key, req_context)
+
+    def _lookup_slow(self, key: bytes, req_context: Any) -> Any:
+        block_key = self._codec.block_key(key)
         if block_key in self._staging:
             return self._hit
-        return self._lookup_slow(key, block_key, req_context)
-
-    def _lookup_slow(self, key: bytes, block_key: BlockKey, req_context: Any) -> Any:
         if key in self._storing:
             return self._pending
         fetch = self._fetching.get(key)
@@ -611,7 +684,7 @@ class KVTierOffloadManager:
     def _settle_fetch(self, key: bytes, block_key: BlockKey) -> bool:
         """Forget a finished read; whether it left the block loadable (else it is absent for a while)."""
         del self._fetching[key]
-        if self.runtime.in_memory(block_key) or block_key in self._staging:
+        if key in self._loadable or block_key in self._staging:
             return True
         self._absent[key] = time.monotonic() + self._absent_ttl
         return False
@@ -623,7 +696,7 @@ class KVTierOffloadManager:
         """
         for key, fetch in list(self._fetching.items()):
             if fetch.future is not None and fetch.future.done():
-                self._settle_fetch(key, self._block_keys.get(key) or self._codec.block_key(key))
+                self._settle_fetch(key, self._codec.block_key(key))
         for chain in self._fetch_queue.values():
             future = self.runtime.submit(self.runtime.fetch([block_key for _, block_key in chain]))
             self.counters.fetches += 1
@@ -644,10 +717,12 @@ class KVTierOffloadManager:
     # --- loads --------------------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes], req_context: Any = None) -> BlockTransferSpec:
         """Pin the blocks of ``keys`` (all answered HIT) until the worker has read them."""
-        block_keys = tuple(self._block_keys.get(k) or self._codec.block_key(k) for k in keys)
-        sources = tuple(self.runtime.call(self.runtime.lease(block_keys)))
+        loadable, block_key = self._loadable, self._codec.block_key
+        block_keys = tuple([loadable.get(k) or block_key(k) for k in keys])
+        sources = self.runtime.lease(block_keys)
         self.counters.leases += 1
-        self.counters.lost_blocks += sources.count(LOST)
+        if LOST in sources:
+            self.counters.lost_blocks += sources.count(LOST)
         return self._spec_type(keys=block_keys, sources=sources)
 
     def complete_load(self, keys: Sequence[bytes], req_context: Any = None) -> None:
@@ -661,46 +736,53 @@ class KVTierOffloadManager:
         """Chunks worth storing (no memory tier holds them; not already being stored) and their spec."""
         chosen: list[bytes] = []
         block_keys: list[BlockKey] = []
-        has_memory = bool(self._memory)
-        if len(self._block_keys) > (1 << 20):
-            self._block_keys.clear()
+        loadable, storing, block_key_of = self._loadable, self._storing, self._codec.block_key
         for key in keys:
-            if key in self._storing:
+            if key in storing or key in loadable:
                 continue
-            block_key = self._block_keys.get(key)
-            if block_key is None:
-                block_key = self._codec.block_key(key)
-                self._block_keys[key] = block_key
-            if any(entries.get(block_key) == READY for entries in self._memory):
-                continue
-            if not has_memory and (block_key in self._staging or self._residency.locate(block_key) is not None):
+            block_key = block_key_of(key)
+            if not self._has_memory and (block_key in self._staging or self._residency.locate(block_key) is not None):
                 continue
             chosen.append(key)
             block_keys.append(block_key)
         for key in chosen:
-            self._storing[key] = self._storing.get(key, 0) + 1
-            self._absent.pop(key, None)
-            self._fetching.pop(key, None)
+            storing[key] = storing.get(key, 0) + 1
+        if self._absent or self._fetching:
+            for key in chosen:
+                self._absent.pop(key, None)
+                self._fetching.pop(key, None)
         self.counters.stores_prepared += len(chosen)
         return chosen, self._spec_type(keys=tuple(block_keys))
 
     def complete_store(self, keys: Sequence[bytes], req_context: Any = None, success: bool = True) -> None:
         """The worker finished a store job: the blocks are cached, or were refused (a later miss)."""
-        done = []
+        storing, done = self._storing, []
         for key in keys:
-            count = self._storing.get(key, 0) - 1
-            if count > 0:
-                self._storing[key] = count
-            elif self._storing.pop(key, None) is not None:
+            count = storing.pop(key, 0)
+            if count > 1:
+                storing[key] = count - 1
+            elif count:
                 done.append(key)
         if self._events is not None and success and done:
-            self._events.stored.append(done)
+            self._events.append((done, False))
 
-    def drain_stored_events(self) -> list[list[bytes]]:
+    # --- removals and events ------------------------------------------------------------------------
+    def take_removed(self) -> list[bytes]:
+        """Offload keys of blocks that left every kvtier tier since the last report (each reported once)."""
+        if not self.runtime.mirror.removed:
+            return []
+        removed = self.runtime.mirror.take_removed()
+        if self._events is not None:
+            self._events.append((removed, True))
+        return removed
+
+    def take_event_keys(self) -> list[tuple[list[bytes], bool]]:
+        """The ``(offload keys, removed)`` events since the last call, oldest first."""
         if self._events is None:
             return []
-        stored, self._events.stored = self._events.stored, []
-        return stored
+        self.take_removed()
+        events, self._events = self._events, []
+        return events
 
     # --- lifecycle ----------------------------------------------------------------------------------
     def reset_cache(self) -> None:
@@ -802,8 +884,9 @@ class KVTierOffloadWorkerCore:
     """vLLM's worker-side transfer calls over an :class:`OffloadRuntime` (independent of vLLM's classes).
 
     ``submit_store`` copies the pages out at once (the engine may reuse its blocks as soon as the job
-    is acknowledged) and stores in the background; ``submit_load`` reads in the background and the
-    pages are written by ``get_finished`` on the engine's thread, before the job is reported done.
+    is acknowledged) and stores in the background; ``submit_load`` copies the leased blocks at once
+    (they are in memory: a memory tier or staging) and the pages are written by ``get_finished`` on
+    the engine's thread, before the job is reported done.
     A store a tier refused is reported done (it is a later miss); a load reports failure only if a
     leased block could not be read, which pins make impossible short of a bug.
     """
@@ -843,7 +926,7 @@ class KVTierOffloadWorkerCore:
         return True
 
     def submit_load(self, job_id: int, src_spec: BlockTransferSpec, dst_spec: Any) -> bool:
-        """Read the leased blocks in the background; ``get_finished`` writes them into the engine's pages."""
+        """Copy the leased blocks now (memory copies); ``get_finished`` writes them into the engine's pages."""
         keys, sources = list(src_spec.keys), list(src_spec.sources)
         groups = split_by_group(keys, dst_spec.block_ids, getattr(dst_spec, "group_sizes", ()), len(self.movers))
         starts = list(getattr(dst_spec, "block_indices", ())) or [0] * len(groups)
@@ -864,8 +947,15 @@ class KVTierOffloadWorkerCore:
             scatters.append((self.movers[g], raw, torch.from_numpy(ids), skip))
             nbytes += raw.numel()
         reads = [(keys[i], sources[i], out) for i, out in enumerate(outs) if out is not None]
-        future = self.runtime.submit(self.runtime.read([key for key, _, _ in reads], [src for _, src, _ in reads],
-                                                       [out for _, _, out in reads]))
+        unread = [i for i, out in enumerate(outs) if out is None]  # a group the engine needs no blocks of
+        if unread:
+            self.runtime.release([keys[i] for i in unread], [sources[i] for i in unread])
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        try:
+            future.set_result(self.runtime.read([key for key, _, _ in reads], [src for _, src, _ in reads],
+                                                [out for _, _, out in reads]))
+        except Exception as exc:  # reported by get_finished as a failed job, never raised into the step
+            future.set_exception(exc)
         self._jobs[job_id] = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter(),
                                   scatters=scatters)
         return True
@@ -970,8 +1060,8 @@ def _build_vllm_api() -> dict[str, type]:
             self._medium = Medium.CPU if top == "cpu" else Medium.STORAGE
 
         def prepare_store(self, keys: Any, req_context: Any) -> Any:
-            chosen, spec = self.plan_store(list(keys))
-            return PrepareStoreOutput(keys_to_store=chosen, store_spec=spec, evicted_keys=[])
+            chosen, spec = self.plan_store(keys)
+            return PrepareStoreOutput(keys_to_store=chosen, store_spec=spec, evicted_keys=self.take_removed())
 
         def on_new_request(self, req_context: Any) -> Any:
             return RequestOffloadingContext()
@@ -980,8 +1070,8 @@ def _build_vllm_api() -> dict[str, type]:
             return CacheHitSource.HOST
 
         def take_events(self) -> Iterator[Any]:
-            for keys in self.drain_stored_events():
-                yield OffloadingEvent(keys=keys, medium=self._medium, removed=False)
+            for keys, removed in self.take_event_keys():
+                yield OffloadingEvent(keys=keys, medium=self._medium, removed=removed)
 
     class KVTierOffloadingWorker(KVTierOffloadWorkerCore, OffloadingWorker):
         """vLLM ``OffloadingWorker`` over kvtier (see :class:`KVTierOffloadWorkerCore`)."""

@@ -10,6 +10,7 @@ import itertools
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ class Harness:
 
     def __init__(self, tiers: list[dict[str, Any]], *, groups: tuple[tuple[int, int, int], ...] = ((0, 32, 2),),
                  bpc: int = 1, num_blocks: int = 32, staging_bytes: int = 1 << 24,
-                 placement: dict[str, Any] | None = None, seed: int = 0) -> None:
+                 placement: dict[str, Any] | None = None, seed: int = 0, enable_events: bool = False) -> None:
         self.geometry = geometry(groups, bpc)
         source: dict[str, Any] = {"tiers": tiers}
         if placement:
@@ -86,7 +87,7 @@ class Harness:
             self.pages.append(group_pages)
             movers.append(PageMover([(t, page) for t in group_pages], bpc, self.runtime.core.layouts[g].nbytes))
         self.bpc = bpc
-        self.manager = KVTierOffloadManager(self.runtime)
+        self.manager = KVTierOffloadManager(self.runtime, enable_events=enable_events)
         self.worker = KVTierOffloadWorkerCore(self.runtime, movers, bpc)
         self._jobs = itertools.count()
 
@@ -408,5 +409,67 @@ def test_reset_cache_drops_manager_state_but_not_the_tiers(cpu_tier: list[dict[s
         h.manager.reset_cache()
         assert not h.manager._storing
         assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 2
+    finally:
+        h.close()
+
+
+def test_prepare_load_and_the_read_never_wait_for_kvtiers_loop_thread(cpu_tier: list[dict[str, Any]]) -> None:
+    h = Harness(cpu_tier)
+    try:
+        keys = h.keys(3)
+        h.store(keys, [1, 2, 3])
+        expected = [h.block(0, b) for b in (1, 2, 3)]
+
+        async def hog() -> None:
+            time.sleep(1.5)  # blocks kvtier's loop thread, as a slow tier call would
+
+        hogging = h.runtime.submit(hog())
+        time.sleep(0.05)
+        start = time.monotonic()
+        spec = h.manager.prepare_load(keys)  # pins on this thread
+        assert spec.sources == (0, 0, 0)
+        assert h.worker.submit_load(5, spec, GpuSpec(np.array([20, 21, 22], np.int32), (3,), (0,)))
+        results = h.worker.get_finished()  # the copies were made on this thread too
+        assert time.monotonic() - start < 1.0 and not hogging.done()
+        assert [r["job_id"] for r in results] == [5] and results[0]["success"]
+        assert all(torch.equal(a, w) for b, want in zip((20, 21, 22), expected, strict=True)
+                   for a, w in zip(h.block(0, b), want, strict=True))
+        assert not h.runtime.residency.tiers[0].pins
+        hogging.result(timeout=10)
+    finally:
+        h.close()
+
+
+def test_lookups_follow_evictions_and_removals_are_reported_once() -> None:
+    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    h = Harness([{"type": "cpu", "capacity": 4 * block}], num_blocks=16, enable_events=True)
+    try:
+        first, second = h.keys(4), h.keys(4, salt=1)
+        h.store(first, [0, 1, 2, 3])
+        assert [h.manager.lookup(k) for k in first] == [Lookup.HIT] * 4
+        h.store(second, [4, 5, 6, 7])  # no tier below: the first four leave kvtier
+        assert [h.manager.lookup(k) for k in first] == [Lookup.MISS] * 4
+        assert [h.manager.lookup(k) for k in second] == [Lookup.HIT] * 4
+        assert h.manager.take_event_keys() == [(first, False), (second, False), (first, True)]
+        assert h.manager.take_event_keys() == [] and h.manager.take_removed() == []
+        third = h.keys(2, salt=2)
+        h.store(third, [8, 9])
+        removed = h.manager.take_removed()  # what the next prepare_store reports as evicted_keys
+        assert len(removed) == 2 and set(removed) <= set(second)
+        assert h.manager.take_event_keys() == [(third, False), (removed, True)]  # and once as events
+    finally:
+        h.close()
+
+
+def test_demoted_blocks_are_not_reported_removed(tmp_path: Path) -> None:
+    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    tiers = [{"type": "cpu", "capacity": 2 * block}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
+    h = Harness(tiers)
+    try:
+        keys = h.keys(2)
+        h.store(keys, [0, 1])
+        h.store(h.keys(2, salt=1), [2, 3])  # demotes the first two to the file tier
+        assert h.manager.take_removed() == []
+        assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT_PENDING] * 2
     finally:
         h.close()
