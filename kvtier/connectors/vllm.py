@@ -612,7 +612,13 @@ class ManagerCounters:
 @dataclass
 class _Fetch:
     pending_hit: bool  # True: an indexed tier holds it (HIT_PENDING); False: a remote probe (RETRY)
+    position: int  # in its chain: the read staged this key if it staged more than ``position`` keys
     future: concurrent.futures.Future[int] | None = None
+
+    def staged_it(self) -> bool:
+        """Whether the finished read staged this key (a failed read did not)."""
+        assert self.future is not None
+        return self.future.exception() is None and self.future.result() > self.position
 
 
 class KVTierOffloadManager:
@@ -654,15 +660,18 @@ class KVTierOffloadManager:
 
     def _lookup_slow(self, key: bytes, req_context: Any) -> Any:
         block_key = self._codec.block_key(key)
+        fetch = self._fetching.get(key)
+        if fetch is not None:
+            if fetch.future is None or not fetch.future.done():
+                return self._hit if block_key in self._staging else (
+                    self._pending if fetch.pending_hit else self._retry)
+            if self._settle_fetch(key, block_key):
+                return self._hit
+            # the read failed (absent below), or its copy was loaded since: look again
         if block_key in self._staging:
             return self._hit
         if key in self._storing:
             return self._pending
-        fetch = self._fetching.get(key)
-        if fetch is not None:
-            if fetch.future is None or not fetch.future.done():
-                return self._pending if fetch.pending_hit else self._retry
-            return self._hit if self._settle_fetch(key, block_key) else self._miss
         expiry = self._absent.get(key)
         if expiry is not None:
             if expiry > time.monotonic():
@@ -677,16 +686,23 @@ class KVTierOffloadManager:
         return self._miss
 
     def _queue_fetch(self, key: bytes, block_key: BlockKey, req_context: Any, *, pending_hit: bool) -> None:
-        self._fetching[key] = _Fetch(pending_hit)
         req_id = str(getattr(req_context, "req_id", ""))
-        self._fetch_queue.setdefault((req_id, block_key.group_id), []).append((key, block_key))
+        chain = self._fetch_queue.setdefault((req_id, block_key.group_id), [])
+        self._fetching[key] = _Fetch(pending_hit, position=len(chain))
+        chain.append((key, block_key))
 
     def _settle_fetch(self, key: bytes, block_key: BlockKey) -> bool:
-        """Forget a finished read; whether it left the block loadable (else it is absent for a while)."""
-        del self._fetching[key]
+        """Forget a finished read; whether the block is loadable now.
+
+        A block the read could not stage (missing, corrupt, a tier down) is absent for a while: not
+        asked for again at every lookup. One it staged that a load has consumed since is not: the
+        next lookup reads it again.
+        """
+        fetch = self._fetching.pop(key)
         if key in self._loadable or block_key in self._staging:
             return True
-        self._absent[key] = time.monotonic() + self._absent_ttl
+        if not fetch.staged_it():
+            self._absent[key] = time.monotonic() + self._absent_ttl
         return False
 
     def on_schedule_end(self, context: Any = None) -> None:

@@ -473,3 +473,17 @@ def test_demoted_blocks_are_not_reported_removed(tmp_path: Path) -> None:
         assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT_PENDING] * 2
     finally:
         h.close()
+
+
+def test_a_block_read_again_after_its_staged_copy_was_loaded_is_never_absent(tmp_path: Path) -> None:
+    h = Harness([{"type": "file", "path": str(tmp_path), "capacity": "4MiB"}])
+    try:
+        keys = h.keys(2)
+        h.store(keys, [1, 2])
+        assert h.settle(keys) == [Lookup.HIT] * 2
+        assert h.load(keys, [10, 11])["success"]  # consumes the staged copies
+        h.manager.on_schedule_end()
+        assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT_PENDING] * 2  # read again from the file tier
+        assert h.settle(keys) == [Lookup.HIT] * 2
+    finally:
+        h.close()
