@@ -3,23 +3,39 @@
 Not a test: it prints two tables, each with its baseline measured in the same run, and the command.
 
 1. TTFT on a shared-prefix workload (``--requests`` prompts of ``--prompt-tokens`` tokens sharing the
-   first ``--shared-tokens``) on a tiny random Llama: each configuration runs the batch once to fill
-   its caches, drops vLLM's GPU prefix cache (``reset_prefix_cache``), then sends the requests one by
-   one with ``max_tokens=1`` (so the request latency is the time to first token); medians of ``--repeat`` passes. Configurations: no
-   offloading (recompute), kvtier CPU tier, kvtier file tier (the files are in the page cache).
-2. The scheduler-side metadata path on one key stream: ``lookup`` calls per second (all hits),
-   ``prepare_store + complete_store`` and ``prepare_load`` calls per second (batches of ``--batch``
-   keys), kvtier's manager next to vLLM's own ``CPUOffloadingManager``. kvtier's ``prepare_load``
-   includes its one hop to kvtier's loop thread (the pins that make a promised block stay put).
+   first ``--shared-tokens``) on a tiny random Llama. Each configuration — no offloading (recompute),
+   kvtier CPU tier, kvtier file tier (the files are in the page cache) — has its own engine in its own
+   process (vLLM keeps one KV connector per process), started together and warmed once (the batch
+   fills the caches). Then ``--repeat`` rounds; in each round every engine runs one pass, one engine at
+   a time while the others sleep, in an order that rotates from round to round: a pass drops vLLM's
+   GPU prefix cache (``reset_prefix_cache``) and sends the requests one by one with ``max_tokens=1``
+   (the request latency is the time to first token). A slow moment of the machine hits the passes of
+   one round alike, so each configuration is compared with the recompute pass of *its own round*:
+   the table gives per configuration the median over rounds of the pass mean, its spread (min–max
+   over rounds), the median first request, and the median of the per-round ratios to recompute.
+2. The scheduler-side metadata path on one key stream, through vLLM's own interface (vLLM's
+   ``OffloadingManager`` methods, ``PrepareStoreOutput``, ``LoadStoreSpec``, events on): ``lookup``
+   calls per second (all hits), ``prepare_store + complete_store`` and ``prepare_load`` + its unpin
+   (batches of ``--batch`` keys), kvtier's manager next to vLLM's own ``CPUOffloadingManager``;
+   interleaved passes, medians and min–max. Same semantics on both sides: a prepared load pins its
+   blocks and the unpin is timed (vLLM's ``complete_load``; kvtier's is the worker's release after its
+   read), a prepared store is pending until ``complete_store``, a completed store is reported as an
+   event, and no eviction happens in the timed sections (both caches have room).
 
-Usage: ``python benchmarks/bench_vllm_cpu.py [--requests 8] [--prompt-tokens 1500] [--shared-tokens 1024] [--repeat 5]``
-(needs vLLM: run it with ``.venv-vllm/bin/python`` after ``bash .ci/run_vllm``).
+``--switch-interval`` sets the GIL switch interval of every engine process (recompute included): kvtier's
+file-tier reads run on kvtier's threads, which wait for the GIL while vLLM's engine thread spins
+(docs/vllm.md).
+
+Usage: ``python benchmarks/bench_vllm_cpu.py [--requests 8] [--prompt-tokens 1500] [--shared-tokens 1024]
+[--repeat 9] [--meta-repeat 9] [--switch-interval 0.0005]`` (needs vLLM: run it with
+``.venv-vllm/bin/python`` after ``bash .ci/run_vllm``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
 import os
 import platform
 import random
@@ -28,6 +44,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -63,108 +81,147 @@ def make_llm(model: Path, kvtier_config: dict[str, Any] | None) -> Any:
                kv_cache_memory_bytes=256 << 20, enforce_eager=True, seed=0, kv_transfer_config=transfer)
 
 
-def ttft(model: Path, kvtier_config: dict[str, Any] | None, prompts: list[list[int]],
-         repeat: int) -> tuple[float, float, int]:
-    """(mean TTFT s, first request's TTFT s, mean cached tokens) after a prefix-cache reset; medians of ``repeat``."""
+# --- 1. time to first token ------------------------------------------------------------------------------
+def serve_engine(conn: Connection, model: str, kvtier_config: dict[str, Any] | None,
+                 prompts: list[list[int]], switch_interval: float | None) -> None:
+    """Child process: one engine, warmed; on each "pass" command run one timed pass and send its result."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = make_llm(model, kvtier_config)
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
+
+    llm = make_llm(Path(model), kvtier_config)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    llm.generate(requests, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # fill the caches
+    llm.generate(requests[:1], params, use_tqdm=False)  # let the last stores land
+    conn.send("ready")
+    while conn.recv() == "pass":
+        llm.reset_prefix_cache()
+        times, cached = [], []
+        for request in requests:
+            start = time.perf_counter()
+            out = llm.generate([request], params, use_tqdm=False)[0]
+            times.append(time.perf_counter() - start)
+            cached.append(out.num_cached_tokens or 0)
+        conn.send((times, cached))
+    llm.llm_engine.engine_core.shutdown()
+    conn.send("stopped")
+
+
+def ttft_rounds(model: Path, configs: list[tuple[str, dict[str, Any] | None]], prompts: list[list[int]],
+                repeat: int, switch_interval: float | None = None) -> list[list[tuple[list[float], list[int]]]]:
+    """Per round, per configuration: (request TTFTs s, cached tokens per request)."""
+    ctx = multiprocessing.get_context("spawn")
+    engines = []
     try:
-        llm.generate(requests, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # fill the caches
-        llm.generate(requests[:1], params, use_tqdm=False)  # let the last stores land
-        means, firsts, cached = [], [], []
-        for _ in range(repeat):
-            llm.reset_prefix_cache()
-            times = []
-            for request in requests:
-                start = time.perf_counter()
-                out = llm.generate([request], params, use_tqdm=False)[0]
-                times.append(time.perf_counter() - start)
-                cached.append(out.num_cached_tokens or 0)
-            means.append(statistics.mean(times))
-            firsts.append(times[0])
-        return statistics.median(means), statistics.median(firsts), int(statistics.mean(cached))
+        for _, config in configs:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=serve_engine, args=(child, str(model), config, prompts, switch_interval),
+                               daemon=True)
+            proc.start()
+            engines.append((proc, parent))
+            if parent.recv() != "ready":  # one engine starts at a time: start-up is not measured alongside
+                raise RuntimeError("an engine did not start")
+        rounds = []
+        for r in range(repeat):
+            results: list[Any] = [None] * len(configs)
+            for k in range(len(configs)):
+                i = (r + k) % len(configs)
+                engines[i][1].send("pass")
+                results[i] = engines[i][1].recv()
+            rounds.append(results)
+        return rounds
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        for proc, conn in engines:
+            try:
+                conn.send("stop")
+                conn.recv()
+            except (OSError, EOFError):
+                pass
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
 
 
-def rate(fn: Any, count: int) -> float:
+# --- 2. the metadata path --------------------------------------------------------------------------------
+def timed(fn: Callable[[], Any]) -> float:
+    gc.collect()
     start = time.perf_counter()
     fn()
-    return count / (time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
-def metadata_path(num_keys: int, batch: int) -> list[tuple[str, float, float]]:
-    """(operation, vLLM CPUOffloadingManager calls/s, kvtier manager calls/s)."""
+def metadata_path(num_keys: int, batch: int, repeat: int) -> list[tuple[str, list[float], list[float]]]:
+    """(operation, vLLM CPUOffloadingManager calls/s per pass, kvtier manager calls/s per pass)."""
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-    from kvtier.connectors.vllm import (
-        EngineGeometry,
-        EngineGroup,
-        KeyCodec,
-        KVTierOffloadManager,
-        OffloadRuntime,
-        kvtier_config_for_engine,
-    )
+    from kvtier.connectors import vllm as adapter
 
     rng = random.Random(0)
     keys = [make_offload_key(rng.randbytes(32), 0) for _ in range(num_keys)]
-    fresh = [make_offload_key(rng.randbytes(32), 0) for _ in range(num_keys)]
     stream = [keys[rng.randrange(num_keys)] for _ in range(20 * num_keys)]
     batches = [keys[i:i + batch] for i in range(0, num_keys - batch + 1, batch)]
+    fresh = [[[make_offload_key(rng.randbytes(32), 0) for _ in range(batch)] for _ in batches]
+             for _ in range(2 * repeat)]  # new keys for every store pass
     ctx = ReqContext(req_id="bench")
 
-    vllm_mgr = CPUOffloadingManager(num_chunks=2 * num_keys, cache_policy="lru")
-    vllm_mgr.on_new_request(ctx)
-    vllm_mgr.complete_store(vllm_mgr.prepare_store(keys, ctx).keys_to_store, ctx)
+    theirs = CPUOffloadingManager(num_chunks=(1 + 2 * repeat) * num_keys, cache_policy="lru", enable_events=True)
+    theirs.on_new_request(ctx)
+    theirs.complete_store(theirs.prepare_store(keys, ctx).keys_to_store, ctx)
 
-    geometry = EngineGeometry(model_name="bench", dtype="bfloat16", tokens_per_hash=16, blocks_per_chunk=1,
-                              groups=(EngineGroup(0, 16, 1),), num_kv_heads=1, head_dim=8, mla=False)
-    config = kvtier_config_for_engine({"tiers": [{"type": "cpu", "capacity": 4 * num_keys * 512}]}, geometry)
-    runtime = OffloadRuntime(config, KeyCodec([0]))
-    ours = KVTierOffloadManager(runtime)
-    chosen, spec = ours.plan_store(keys)
-    _, blocks = runtime.empty_blocks(0, len(spec.keys))
-    runtime.call(runtime.core.store(list(spec.keys), blocks))
-    ours.complete_store(chosen)
+    geometry = adapter.EngineGeometry(model_name="bench", dtype="bfloat16", tokens_per_hash=16, blocks_per_chunk=1,
+                                      groups=(adapter.EngineGroup(0, 16, 1),), num_kv_heads=1, head_dim=8, mla=False)
+    config = adapter.kvtier_config_for_engine({"tiers": [{"type": "cpu", "capacity": 4 * num_keys * 512}]}, geometry)
+    runtime = adapter.OffloadRuntime(config, adapter.KeyCodec([0]))
+    ours = adapter.KVTierOffloadingManager(runtime, enable_events=True)  # vLLM's class, built from vLLM's API
+    ours.on_new_request(ctx)
+    out = ours.prepare_store(keys, ctx)
+    _, blocks = runtime.empty_blocks(0, len(out.store_spec.keys))
+    runtime.call(runtime.core.store(list(out.store_spec.keys), blocks))
+    ours.complete_store(out.keys_to_store, ctx)
 
-    rows = []
-    def lookups(manager: Any) -> Any:
-        return lambda: [manager.lookup(k, ctx) for k in stream]
+    def lookups(manager: Any) -> Callable[[], Any]:
+        lookup = manager.lookup
+        return lambda: [lookup(k, ctx) for k in stream]
 
-    rows.append(("lookup (hit)", rate(lookups(vllm_mgr), len(stream)), rate(lookups(ours), len(stream))))
+    def stores(manager: Any, pass_keys: list[list[bytes]]) -> Callable[[], None]:
+        def run() -> None:
+            for b in pass_keys:
+                manager.complete_store(manager.prepare_store(b, ctx).keys_to_store, ctx)
+        return run
 
-    def stores(m: Any, prepare: Any) -> Any:
-        fresh_batches = [fresh[i:i + batch] for i in range(0, num_keys - batch + 1, batch)]
-        return lambda: [m.complete_store(prepare(b), ctx) for b in fresh_batches]
-
-    rows.append((f"prepare_store+complete ({batch} keys)",
-                 rate(stores(vllm_mgr, lambda b: vllm_mgr.prepare_store(b, ctx).keys_to_store), len(batches)),
-                 rate(stores(ours, lambda b: ours.plan_store(b)[0]), len(batches))))
-
-    def vllm_loads() -> None:
+    def their_loads() -> None:
         for b in batches:
-            vllm_mgr.prepare_load(b, ctx)
-            vllm_mgr.complete_load(b, ctx)
-
-    leases = []
+            theirs.prepare_load(b, ctx)
+            theirs.complete_load(b, ctx)
 
     def our_loads() -> None:
         for b in batches:
-            leases.append(ours.prepare_load(b, ctx))
+            spec = ours.prepare_load(b, ctx)
+            runtime.release(spec.keys, spec.sources)  # what the worker does after its read
             ours.complete_load(b, ctx)
 
-    rows.append((f"prepare_load+complete ({batch} keys)", rate(vllm_loads, len(batches)), rate(our_loads, len(batches))))
-    for lease in leases:
-        runtime.call(runtime.release(lease.keys, lease.sources))
+    rows: list[tuple[str, list[float], list[float]]] = [
+        ("lookup (hit)", [], []), (f"prepare_store+complete ({batch} keys)", [], []),
+        (f"prepare_load+unpin ({batch} keys)", [], [])]
+    sides = [(1, theirs, their_loads), (2, ours, our_loads)]  # column of ``rows``, manager, its loads
+    for r in range(repeat):
+        for side, manager, loads in sides if r % 2 == 0 else sides[::-1]:
+            rows[0][side].append(len(stream) / timed(lookups(manager)))
+            rows[1][side].append(len(batches) / timed(stores(manager, fresh[2 * r + side - 1])))
+            rows[2][side].append(len(batches) / timed(loads))
+            list(manager.take_events())
+    assert not any(index.pins for index in runtime.residency.tiers), "kvtier leaked a pin"
     runtime.close()
     return rows
+
+
+# --- report -------------------------------------------------------------------------------------------------
+def spread(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+    return f"{fmt.format(min(values) * scale)}–{fmt.format(max(values) * scale)}"
 
 
 def main() -> None:
@@ -172,9 +229,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--shared-tokens", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=5, help="timed passes per configuration (medians)")
+    parser.add_argument("--repeat", type=int, default=9, help="interleaved TTFT rounds (medians)")
     parser.add_argument("--keys", type=int, default=4096, help="keys in the metadata-path stream")
     parser.add_argument("--batch", type=int, default=16, help="keys per prepare_store / prepare_load call")
+    parser.add_argument("--meta-repeat", type=int, default=9, help="interleaved metadata-path passes (medians)")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval in every engine process, recompute included (default: "
+                             "Python's 5 ms); see docs/vllm.md on the file tier")
     args = parser.parse_args()
 
     import torch
@@ -191,23 +252,40 @@ def main() -> None:
         ("kvtier CPU tier", {"tiers": [{"type": "cpu", "capacity": "256MiB"}]}),
         ("kvtier file tier", {"tiers": [{"type": "file", "path": str(workdir / "nvme"), "capacity": "1GiB"}]}),
     ]
-    results = [(name, *ttft(model, config, prompts, args.repeat)) for name, config in configs]
-    meta = metadata_path(args.keys, args.batch)
+    load_before = os.getloadavg()
+    rounds = ttft_rounds(model, configs, prompts, args.repeat, args.switch_interval)
+    meta = metadata_path(args.keys, args.batch, args.meta_repeat)
+    load_after = os.getloadavg()
 
     print(f"\nvLLM {vllm.__version__} (CPU build), torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, KMP_BLOCKTIME={os.environ['KMP_BLOCKTIME']}; tiny Llama (2 layers, 2 KV heads × 32, bf16), block {BLOCK_SIZE} tokens")
-    print(f"{args.requests} requests × {args.prompt_tokens} tokens sharing {args.shared_tokens}, "
-          f"sent one by one after reset_prefix_cache, max_tokens=1; medians of {args.repeat} passes\n")
-    base = results[0][1]
-    print(f"| {'configuration':<26} | {'mean TTFT ms':>12} | {'1st request ms':>14} | {'cached tokens':>13} | {'vs recompute':>12} |")
-    print(f"|{'-' * 28}|{'-' * 13}:|{'-' * 15}:|{'-' * 14}:|{'-' * 13}:|")
-    for name, mean, first, cached in results:
-        print(f"| {name:<26} | {mean * 1e3:>12.1f} | {first * 1e3:>14.1f} | {cached:>13} | {base / mean:>11.2f}× |")
-    print(f"\nScheduler metadata path, {args.keys} resident keys, {20 * args.keys} lookups\n")
-    print(f"| {'operation':<36} | {'vLLM CPUOffloadingManager /s':>28} | {'kvtier manager /s':>17} | {'kvtier / vLLM':>13} |")
-    print(f"|{'-' * 38}|{'-' * 29}:|{'-' * 18}:|{'-' * 14}:|")
+          f"{os.cpu_count()} CPUs, KMP_BLOCKTIME={os.environ['KMP_BLOCKTIME']}, GIL switch interval "
+          f"{(args.switch_interval or sys.getswitchinterval()) * 1e3:g} ms, load average "
+          f"{load_before[0]:.2f} → {load_after[0]:.2f}; tiny Llama (2 layers, 2 KV heads × 32, bf16), "
+          f"block {BLOCK_SIZE} tokens")
+    print(f"{args.requests} requests × {args.prompt_tokens} tokens sharing {args.shared_tokens}, sent one by one "
+          f"after reset_prefix_cache, max_tokens=1; {args.repeat} interleaved rounds (one pass per engine per "
+          f"round, rotating order); medians over rounds, spread = min–max of the pass means\n")
+    print(f"| {'configuration':<26} | {'mean TTFT ms':>12} | {'spread ms':>13} | {'1st request ms':>14} | "
+          f"{'cached tokens':>13} | {'vs recompute':>12} |")
+    print(f"|{'-' * 28}|{'-' * 13}:|{'-' * 14}:|{'-' * 15}:|{'-' * 14}:|{'-' * 13}:|")
+    base_means = [statistics.mean(rnd[0][0]) for rnd in rounds]
+    for i, (name, _) in enumerate(configs):
+        means = [statistics.mean(rnd[i][0]) for rnd in rounds]
+        firsts = [rnd[i][0][0] for rnd in rounds]
+        cached = statistics.median(c for rnd in rounds for c in rnd[i][1])
+        ratio = statistics.median(b / m for b, m in zip(base_means, means, strict=True))
+        print(f"| {name:<26} | {statistics.median(means) * 1e3:>12.1f} | {spread(means, 1e3):>13} | "
+              f"{statistics.median(firsts) * 1e3:>14.1f} | {cached:>13.0f} | {ratio:>11.2f}× |")
+    print(f"\nScheduler metadata path through vLLM's OffloadingManager interface (events on), {args.keys} resident "
+          f"keys, {20 * args.keys} lookups; {args.meta_repeat} interleaved passes, medians (min–max)\n")
+    print(f"| {'operation':<32} | {'vLLM CPUOffloadingManager /s':>30} | {'kvtier manager /s':>30} | "
+          f"{'kvtier / vLLM':>13} |")
+    print(f"|{'-' * 34}|{'-' * 31}:|{'-' * 31}:|{'-' * 14}:|")
     for name, theirs, ours in meta:
-        print(f"| {name:<36} | {theirs:>28,.0f} | {ours:>17,.0f} | {ours / theirs:>12.2f}× |")
+        t, o = statistics.median(theirs), statistics.median(ours)
+        their_cell = f"{t:,.0f} ({spread(theirs, fmt='{:,.0f}')})"
+        our_cell = f"{o:,.0f} ({spread(ours, fmt='{:,.0f}')})"
+        print(f"| {name:<32} | {their_cell:>30} | {our_cell:>30} | {o / t:>12.2f}× |")
     print("\ncommand: " + " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]))
 
 
