@@ -6,14 +6,15 @@
 #
 #   here, once (network, no GPU):  bash benchmarks/run_gpu_checks.sh --fetch
 #       downloads into .whl/ (git-ignored) the few wheels kvtier needs that the GPU image lacks
-#       (pydantic and its parts, lz4), for the image's Python 3.12 — about 3 MiB;
+#       (pydantic and its parts, lz4, hypothesis), for the image's Python 3.12 — about 4 MiB;
 #   then on the GPU, one call:     device run, command "bash benchmarks/run_gpu_checks.sh",
 #                                  carry [".whl"], timeout_s 450 (it normally takes 2-3 minutes)
 #
-# Writes everything to $OUT (or benchmarks/results/gpu_checks/ when OUT is unset), at most 8 files:
+# Writes everything to $OUT (or benchmarks/results/gpu_checks/ when OUT is unset), at most 9 files:
 #   env.txt        GPU, driver, torch, CuPy, NVRTC versions; CuPy's build of each kernel
 #   nvrtc.txt      tests/kernels/nvrtc.py over the NVRTC libraries of that machine (sm_90)
 #   pytest.log, pytest.xml   the GPU tests (KVTIER_REQUIRE_GPU=1: a missing CUDA or CuPy fails, never skips)
+#   pytest_vllm.log  the vLLM worker's CUDA page mover tests (kernel moves == torch moves, store/load)
 #   bench_gpu.log, gpu_<device>.md, gpu_<device>.json   the benchmark (commit the .md and .json under
 #                  benchmarks/results/ with the command above)
 # Exits non-zero if any step failed; every step runs regardless, each under its own time limit.
@@ -28,7 +29,8 @@ if [ "${1:-}" = "--fetch" ]; then
   mkdir -p "$WHEELS"
   versions=$("$PYTHON" - <<'EOF'
 import importlib.metadata as metadata
-names = ["pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "lz4"]
+names = ["pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "lz4",
+         "hypothesis", "attrs", "sortedcontainers"]
 print(" ".join(f"{name}=={metadata.version(name)}" for name in names))
 EOF
   ) || { echo "install kvtier here first (pip install -e '.[test]'): its versions are the ones fetched" >&2; exit 1; }
@@ -85,6 +87,8 @@ step "torch, CuPy and CuPy's kernel build" 60 "$OUT/env.txt" "$PYTHON" -c "$ENV_
 step "NVRTC report" 40 "$OUT/nvrtc.txt" "$PYTHON" -m tests.kernels.nvrtc
 step "GPU tests" 120 "$OUT/pytest.log" "$PYTHON" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
   tests/kernels tests/tiers/test_gpu.py tests/test_config.py
+step "vLLM worker GPU tests" 60 "$OUT/pytest_vllm.log" "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu \
+  tests/connectors/test_vllm_unit.py
 step "bench_gpu" 150 "$OUT/bench_gpu.log" "$PYTHON" benchmarks/bench_gpu.py --out "$OUT"
 
 if [ ${#failed[@]} -gt 0 ]; then

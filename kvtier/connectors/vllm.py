@@ -37,12 +37,14 @@ How vLLM's calls map onto kvtier (DESIGN.md §2, §7):
   corrupt) is reported in the ``evicted_keys`` of the next ``prepare_store`` and, with vLLM's KV
   events on, as a removed ``OffloadingEvent`` — once: a ``take_events`` that comes first takes it.
   Redis expires keys on its own, unseen.
-* The worker copies pages with torch on any device (vLLM's CPU backend included): per-layer pages
-  are packed into one cross-layer block on the way out and unpacked on the way in; a group whose
-  layers share one block-compact region moves with one copy per block. A load's blocks are in
-  memory by then, so it copies them on the engine's thread at once (no hop to kvtier's loop thread,
-  whose wake-ups cost milliseconds next to an engine thread that keeps the GIL busy); a store's
-  pages are copied out at once and written to the tiers on the loop thread.
+* The worker moves pages with kvtier's copy kernel on a CUDA engine (CuPy installed): one launch
+  per transfer gathers every layer's pages straight into page-locked host blocks, or scatters them
+  back, on a transfer stream of its own (:class:`CudaPageMover`); elsewhere (vLLM's CPU backend)
+  with torch copies. Per-layer pages are packed into one cross-layer block on the way out and
+  unpacked on the way in; a group whose layers share one block-compact region moves whole blocks.
+  A load's blocks are in memory by then, so it copies them on the engine's thread at once (no hop
+  to kvtier's loop thread, whose wake-ups cost milliseconds next to an engine thread that keeps the
+  GIL busy); a store's pages are copied out at once and written to the tiers on the loop thread.
 
 Process model: the scheduler and the worker of one engine share this module's state, so they must
 run in one process (vLLM's single-worker executor: ``world_size == 1``; with or without
@@ -71,7 +73,7 @@ import torch
 from kvtier.blocks import BlockKey
 from kvtier.cache import AsyncTieredCache
 from kvtier.config import KVTierConfig, load_config, parse_size, read_config_mapping
-from kvtier.errors import KVTierConfigError, KVTierError, LayoutMismatch
+from kvtier.errors import KVTierConfigError, KVTierError, LayoutMismatch, TierUnavailable
 from kvtier.layout import parse_dtype
 from kvtier.metrics import CacheStats
 from kvtier.residency import READY, Residency
@@ -435,11 +437,14 @@ class OffloadRuntime:
             self._loop.close()
 
     # --- block buffers ------------------------------------------------------------------------------
-    def empty_blocks(self, group_id: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``count`` blocks of a group: (``[count, nbytes]`` uint8, the same memory typed as the layout)."""
+    def empty_blocks(self, group_id: int, count: int, *, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` blocks of a group: (``[count, nbytes]`` uint8, the same memory typed as the layout).
+
+        ``pinned``: page-locked (torch's caching host allocator reuses freed ones), for CUDA page moves.
+        """
         layout = self.core.layouts[group_id]
         with torch.inference_mode(False):  # vLLM's worker runs in inference mode; kvtier's loop writes these
-            raw = torch.empty((count, layout.nbytes), dtype=torch.uint8)
+            raw = torch.empty((count, layout.nbytes), dtype=torch.uint8, pin_memory=pinned)
         return raw, raw.view(layout.dtype).view(count, *layout.shape)
 
     # --- coroutines (run on the loop thread) ------------------------------------------------------------
@@ -530,8 +535,14 @@ class OffloadRuntime:
                 sources.append(LOST)
         return sources
 
-    async def write(self, batches: Sequence[tuple[list[BlockKey], torch.Tensor]]) -> int:
-        """Store each group's blocks; return how many are now cached (a refused block is a later miss)."""
+    async def write(self, batches: Sequence[tuple[list[BlockKey], torch.Tensor]], copied: Any = None) -> int:
+        """Store each group's blocks; return how many are now cached (a refused block is a later miss).
+
+        ``copied``: a CUDA event after the copies that fill the blocks; waited for first (on this
+        thread, with the GIL released by torch), so nothing is stored before its bytes arrived.
+        """
+        if copied is not None:
+            copied.synchronize()
         stored = 0
         for keys, blocks in batches:
             stored += await self.core.store(keys, blocks)
@@ -850,10 +861,37 @@ class PageMover:
             offsets.append(offset)
             offset += page * blocks_per_chunk
         self.offsets = offsets
+        # per region: base address and byte stride of its rows, page size and offset in a block
+        self._ptrs = torch.tensor([rows.data_ptr() for rows, _ in self.regions], dtype=torch.int64)
+        self._strides = torch.tensor([rows.stride(0) for rows, _ in self.regions], dtype=torch.int64)
+        self._pages = torch.tensor(pages, dtype=torch.int64)
+        self._offsets = torch.tensor(offsets, dtype=torch.int64)
+        self._page_sizes = sorted(set(pages))
 
     @property
     def cross_layer(self) -> bool:
         return len(self.regions) == 1
+
+    def piece_addresses(self, block_ids: torch.Tensor, blocks_base: int,
+                        skip: int = 0) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Where every page of a move is: ``(page bytes, engine addresses, block addresses)`` per page size.
+
+        Engine block ``block_ids[k]`` is position ``skip + k`` of the offloaded blocks, which lie
+        ``block_bytes`` apart from ``blocks_base`` (so chunk ``(skip + k) // blocks_per_chunk``, engine
+        block ``(skip + k) % blocks_per_chunk`` within it). This is the whole address math of
+        :class:`CudaPageMover`'s copies, computed with vectorised torch on the host; the CPU tests
+        replay it with ``memmove`` and compare with :meth:`gather` / :meth:`scatter`.
+        """
+        ids = block_ids.reshape(-1).to(device="cpu", dtype=torch.int64)
+        position = torch.arange(skip, skip + ids.numel(), dtype=torch.int64)
+        chunk, within = position // self.blocks_per_chunk, position % self.blocks_per_chunk
+        engine = self._ptrs[:, None] + ids[None, :] * self._strides[:, None]
+        cross = (blocks_base + chunk * self.block_bytes)[None, :] + self._offsets[:, None] \
+            + within[None, :] * self._pages[:, None]
+        if len(self._page_sizes) == 1:
+            return [(self._page_sizes[0], engine.reshape(-1), cross.reshape(-1))]
+        return [(page, engine[self._pages == page].reshape(-1), cross[self._pages == page].reshape(-1))
+                for page in self._page_sizes]
 
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy engine blocks ``block_ids`` (``n × blocks_per_chunk`` of them) into ``out`` ``[n, block_bytes]``."""
@@ -875,6 +913,55 @@ class PageMover:
             rows.index_copy_(0, ids, pages.to(self.device))
 
 
+class CudaPageMover(PageMover):
+    """A :class:`PageMover` for a CUDA engine: one kernel launch per page size moves every page of a move.
+
+    The offloaded blocks are page-locked host memory, which the kernel reaches through its mapped
+    address, so a store's pages go from the engine's KV memory straight into the buffer kvtier
+    stores, and a load's come straight back: no per-layer ``cudaMemcpyAsync`` and no device staging.
+    Copies run on ``stream`` (the worker's transfer stream), which first waits for the engine's
+    current stream: a store reads only what the engine's kernels wrote, and a load never overwrites
+    a page that an earlier kernel still reads. Nothing here waits on the host; callers record an
+    event on ``stream`` and keep the host buffer alive until it completed.
+    """
+
+    def __init__(self, regions: Sequence[tuple[torch.Tensor, int]], blocks_per_chunk: int, block_bytes: int,
+                 stream: torch.cuda.Stream) -> None:
+        super().__init__(regions, blocks_per_chunk, block_bytes)
+        if self.device.type != "cuda":
+            raise LayoutMismatch(f"CudaPageMover needs the engine's KV pages on a CUDA device, got {self.device}")
+        from kvtier.kernels import cuda as kernels
+
+        kernels.require_cuda()
+        self._kernels = kernels
+        self.stream = stream
+        self._engine_unit = kernels.vector_unit(*self._ptrs.tolist(), *self._strides.tolist(), *self._pages.tolist(),
+                                                *self._offsets.tolist(), block_bytes)
+
+    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        self._move(block_ids, out, 0, into_engine=False)
+
+    def scatter(self, blocks: torch.Tensor, block_ids: torch.Tensor, skip: int = 0) -> None:
+        self._move(block_ids, blocks, skip, into_engine=True)
+
+    def _move(self, block_ids: torch.Tensor, blocks: torch.Tensor, skip: int, *, into_engine: bool) -> None:
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != self.block_bytes \
+                or not blocks.is_contiguous():
+            raise LayoutMismatch(f"offloaded blocks must be a contiguous [n, {self.block_bytes}] uint8 tensor, got "
+                                 f"{blocks.dtype} {tuple(blocks.shape)}")
+        if blocks.device.type != "cuda" and not blocks.is_pinned():
+            raise LayoutMismatch("the CUDA page mover needs page-locked host blocks (pin_memory=True) or device "
+                                 f"blocks, got pageable memory on {blocks.device}")
+        unit = min(self._engine_unit, self._kernels.vector_unit(blocks.data_ptr()))
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for page, engine, cross in self.piece_addresses(block_ids, blocks.data_ptr(), skip):
+                engine_at = engine.to(self.device, non_blocking=True)
+                cross_at = cross.to(self.device, non_blocking=True)
+                src, dst = (cross_at, engine_at) if into_engine else (engine_at, cross_at)
+                self._kernels.copy_addresses(src, dst, page, unit=unit, stream=self.stream)
+
+
 @dataclass
 class _Job:
     future: concurrent.futures.Future[Any]
@@ -882,6 +969,8 @@ class _Job:
     nbytes: int
     started: float
     scatters: list[tuple[PageMover, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+    copied: Any = None  # CUDA: the event after this job's page copies; the job is done once it completed
+    buffers: list[torch.Tensor] = field(default_factory=list)  # host blocks those copies use until then
 
 
 def split_by_group(keys: Sequence[BlockKey], block_ids: Any, group_sizes: Sequence[int],
@@ -923,6 +1012,10 @@ class KVTierOffloadWorkerCore:
         self._jobs: dict[int, _Job] = {}
         self._on_shutdown = on_shutdown
         self._said_partial = False
+        cuda = [m for m in self.movers if isinstance(m, CudaPageMover)]
+        self._stream = cuda[0].stream if cuda else None  # pages move on it with the kernels; else torch copies
+        if cuda and len(cuda) != len(self.movers):
+            raise LayoutMismatch("every KV-cache group must use the CUDA page mover, or none")
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: BlockTransferSpec) -> bool:
         """Copy the pages of ``dst_spec.keys`` out of the engine now; store them in the background."""
@@ -939,11 +1032,12 @@ class KVTierOffloadWorkerCore:
                     log.warning("kvtier: a store of %d chunks came with %d engine blocks (sliding-window or "
                                 "null blocks); such chunks are not offloaded", len(keys), len(ids))
                 continue
-            raw, typed = self.runtime.empty_blocks(g, len(keys))
+            raw, typed = self.runtime.empty_blocks(g, len(keys), pinned=self._stream is not None)
             self.movers[g].gather(torch.from_numpy(ids), raw)
             batches.append((keys, typed))
             nbytes += raw.numel()
-        future = self.runtime.submit(self.runtime.write(batches))
+        copied = self._copies_done()
+        future = self.runtime.submit(self.runtime.write(batches, copied))
         self._jobs[job_id] = _Job(future, is_load=False, nbytes=nbytes, started=time.perf_counter())
         return True
 
@@ -963,7 +1057,7 @@ class KVTierOffloadWorkerCore:
             if skip + len(ids) > len(group_keys) * self.blocks_per_chunk:
                 raise LayoutMismatch(f"load of {len(ids)} engine blocks from {len(group_keys)} chunks "
                                      f"(skipping {skip}) does not fit")
-            raw, _ = self.runtime.empty_blocks(g, len(group_keys))
+            raw, _ = self.runtime.empty_blocks(g, len(group_keys), pinned=self._stream is not None)
             for row, key in enumerate(group_keys):
                 outs[order[key]] = raw[row]
             scatters.append((self.movers[g], raw, torch.from_numpy(ids), skip))
@@ -978,15 +1072,27 @@ class KVTierOffloadWorkerCore:
                                                 [out for _, _, out in reads]))
         except Exception as exc:  # reported by get_finished as a failed job, never raised into the step
             future.set_exception(exc)
-        self._jobs[job_id] = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter(),
-                                  scatters=scatters)
+        job = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter(), scatters=scatters)
+        if self._stream is not None and future.exception() is None and future.result():
+            for mover, blocks, engine_ids, start in scatters:  # the kernels write the pages now, on the stream
+                mover.scatter(blocks, engine_ids, start)
+            job.scatters, job.buffers, job.copied = [], [s[1] for s in scatters], self._copies_done()
+        self._jobs[job_id] = job
         return True
+
+    def _copies_done(self) -> Any:
+        """An event after the page copies enqueued so far on the transfer stream (None without CUDA)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
 
     def get_finished(self) -> list[Any]:
         """Results of the jobs that finished since the last call; loads land in the engine's pages here."""
         results = []
         for job_id, job in list(self._jobs.items()):
-            if not job.future.done():
+            if not job.future.done() or (job.copied is not None and not job.copied.query()):
                 continue
             del self._jobs[job_id]
             results.append(self._finish(job_id, job))
@@ -994,11 +1100,14 @@ class KVTierOffloadWorkerCore:
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until the given jobs finished (their results still come from ``get_finished``)."""
-        futures = [self._jobs[j].future for j in job_ids if j in self._jobs]
-        concurrent.futures.wait(futures)
+        jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
+        concurrent.futures.wait([job.future for job in jobs])
+        for job in jobs:
+            if job.copied is not None:
+                job.copied.synchronize()
 
     def shutdown(self) -> None:
-        concurrent.futures.wait([job.future for job in self._jobs.values()])
+        self.wait(set(self._jobs))
         self._jobs.clear()
         if self._on_shutdown is not None:
             self._on_shutdown()
@@ -1022,12 +1131,30 @@ class KVTierOffloadWorkerCore:
 
 
 def page_movers(kv_caches: Any, runtime: OffloadRuntime, blocks_per_chunk: int) -> list[PageMover]:
-    """One :class:`PageMover` per offloaded group, from vLLM's ``CanonicalKVCaches`` (read by attribute)."""
-    movers = []
-    for g, refs in enumerate(kv_caches.group_data_refs):
-        regions = [(kv_caches.tensors[ref.tensor_idx].tensor, int(ref.page_size_bytes)) for ref in refs]
+    """One page mover per offloaded group, from vLLM's ``CanonicalKVCaches`` (read by attribute).
+
+    On a CUDA engine with CuPy installed: :class:`CudaPageMover` (kvtier's copy kernel, one transfer
+    stream for all groups); otherwise :class:`PageMover` (torch copies: vLLM's CPU backend, or CUDA
+    without CuPy, which is logged once).
+    """
+    groups = [[(kv_caches.tensors[ref.tensor_idx].tensor, int(ref.page_size_bytes)) for ref in refs]
+              for refs in kv_caches.group_data_refs]
+    device = next((rows.device for regions in groups for rows, _ in regions), torch.device("cpu"))
+    stream = None
+    if device.type == "cuda":
+        from kvtier.kernels import cuda as kernels
+
         try:
-            movers.append(PageMover(regions, blocks_per_chunk, runtime.core.layouts[g].nbytes))
+            kernels.require_cuda()
+            stream = torch.cuda.Stream(device=device)
+        except TierUnavailable as exc:
+            log.warning("kvtier: %s; moving vLLM's KV pages with torch copies instead of kvtier's kernels", exc)
+    movers: list[PageMover] = []
+    for g, regions in enumerate(groups):
+        try:
+            nbytes = runtime.core.layouts[g].nbytes
+            movers.append(CudaPageMover(regions, blocks_per_chunk, nbytes, stream) if stream is not None
+                          else PageMover(regions, blocks_per_chunk, nbytes))
         except LayoutMismatch as exc:
             raise LayoutMismatch(f"KV-cache group {runtime.codec.vllm_group_ids[g]}: {exc}") from None
     return movers

@@ -26,7 +26,8 @@ from kvtier.errors import LayoutMismatch, TierUnavailable
 from kvtier.kernels import fallback
 from kvtier.layout import BlockLayout, PerLayerLayout
 
-__all__ = ["KERNEL_SOURCES", "NVRTC_OPTIONS", "PieceGeometry", "copy_blocks", "kernel_source", "load_module",
+__all__ = ["KERNEL_SOURCES", "NVRTC_OPTIONS", "PieceGeometry", "copy_addresses", "copy_blocks", "kernel_source",
+           "load_module",
            "pack_blocks", "piece_byte_addresses", "piece_geometry", "reachable", "require_cuda", "unpack_blocks"]
 
 #: The CUDA sources shipped in this package (``kvtier/kernels/*.cu``).
@@ -206,6 +207,33 @@ def copy_blocks(src: torch.Tensor | Sequence[torch.Tensor], src_ids: torch.Tenso
     stream = _resolve_stream(device, stream)
     with torch.cuda.stream(stream):
         _copy_blocks(device, stream, src, src_ids, dst, dst_ids)
+
+
+def copy_addresses(src: torch.Tensor, dst: torch.Tensor, nbytes: int, *, unit: int,
+                   stream: torch.cuda.Stream | None = None) -> None:
+    """Copy ``nbytes`` from address ``src[k]`` to address ``dst[k]`` for every ``k``, with one launch.
+
+    For moves whose pieces no block buffer describes (an engine's per-layer pages gathered into
+    cross-layer blocks): ``src`` and ``dst`` are int64 tensors of raw addresses, on the CUDA device
+    that runs the copy, each pointing into that device's memory or into page-locked host memory
+    (mapped). ``unit`` (16, 8, 4, 2 or 1) must divide every address; :func:`vector_unit` finds it.
+    """
+    require_cuda()
+    device = src.device
+    if device.type != "cuda" or dst.device != device:
+        raise LayoutMismatch(f"address tensors must be on one CUDA device, got {src.device} and {dst.device}")
+    if src.dtype != torch.int64 or dst.dtype != torch.int64 or src.shape != dst.shape or src.dim() != 1:
+        raise LayoutMismatch(f"address tensors must be 1-D int64 of one length, got {src.dtype} "
+                             f"{tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}")
+    if unit not in (16, 8, 4, 2, 1) or nbytes <= 0:
+        raise LayoutMismatch(f"copy_addresses needs nbytes > 0 and a unit of 16, 8, 4, 2 or 1, got {nbytes}, {unit}")
+    count = src.numel()
+    if count == 0:
+        return
+    stream = _resolve_stream(device, stream)
+    with torch.cuda.stream(stream):
+        _launch(device, stream, "kvtier_copy_blocks", count, _ptr(0), src, _i64(1), _ptr(0), dst, _i64(1),
+                _i64(count), _i64(nbytes), _i32(unit))
 
 
 def _copy_blocks(device: torch.device, stream: torch.cuda.Stream, src: torch.Tensor | Sequence[torch.Tensor],

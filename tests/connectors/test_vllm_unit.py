@@ -6,6 +6,7 @@ the main suite. ``test_vllm_e2e.py`` runs the same adapter inside a real vLLM en
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import subprocess
@@ -18,11 +19,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.blocks import BlockKey
 from kvtier.connectors.vllm import (
     LOST,
     STAGED,
+    CudaPageMover,
     EngineGeometry,
     EngineGroup,
     KeyCodec,
@@ -36,6 +40,7 @@ from kvtier.connectors.vllm import (
     kvtier_config_for_engine,
 )
 from kvtier.errors import KVTierConfigError, LayoutMismatch
+from tests.gpu_support import requires_gpu
 
 HEADS, DIM = 2, 32
 
@@ -70,7 +75,8 @@ class Harness:
 
     def __init__(self, tiers: list[dict[str, Any]], *, groups: tuple[tuple[int, int, int], ...] = ((0, 32, 2),),
                  bpc: int = 1, num_blocks: int = 32, staging_bytes: int = 1 << 24,
-                 placement: dict[str, Any] | None = None, seed: int = 0, enable_events: bool = False) -> None:
+                 placement: dict[str, Any] | None = None, seed: int = 0, enable_events: bool = False,
+                 device: str = "cpu") -> None:
         self.geometry = geometry(groups, bpc)
         source: dict[str, Any] = {"tiers": tiers}
         if placement:
@@ -78,14 +84,18 @@ class Harness:
         config = kvtier_config_for_engine(source, self.geometry)
         self.runtime = OffloadRuntime(config, KeyCodec([g[0] for g in groups]), staging_bytes)
         gen = torch.Generator().manual_seed(seed)
+        self.stream = torch.cuda.Stream() if device == "cuda" else None
         self.pages: list[list[torch.Tensor]] = []
         movers = []
         for g, (_, tpb, layers) in enumerate(groups):
             page = 2 * tpb * HEADS * DIM * 2
-            group_pages = [torch.randint(-128, 127, (num_blocks, page), dtype=torch.int8, generator=gen)
+            group_pages = [torch.randint(-128, 127, (num_blocks, page), dtype=torch.int8, generator=gen).to(device)
                            for _ in range(layers)]
             self.pages.append(group_pages)
-            movers.append(PageMover([(t, page) for t in group_pages], bpc, self.runtime.core.layouts[g].nbytes))
+            nbytes = self.runtime.core.layouts[g].nbytes
+            regions = [(t, page) for t in group_pages]
+            movers.append(CudaPageMover(regions, bpc, nbytes, self.stream) if device == "cuda"
+                          else PageMover(regions, bpc, nbytes))
         self.bpc = bpc
         self.manager = KVTierOffloadManager(self.runtime, enable_events=enable_events)
         self.worker = KVTierOffloadWorkerCore(self.runtime, movers, bpc)
@@ -215,6 +225,98 @@ def test_page_mover_round_trip_with_chunks_and_skip(cross_layer: bool) -> None:
     mover.scatter(out, torch.tensor([5, 6, 8]), skip=1)  # engine blocks 2, 9, 4
     for (rows, size), old in zip(regions, before, strict=True):
         assert torch.equal(rows[[5, 6, 8], :size], old[[2, 9, 4], :size])
+
+
+def replay_with_memmove(pieces: list[tuple[int, torch.Tensor, torch.Tensor]], *, into_engine: bool) -> None:
+    """Do what the CUDA page mover's kernel launches do with these addresses, with ``memmove`` on the host."""
+    for page, engine, cross in pieces:
+        for e, c in zip(engine.tolist(), cross.tolist(), strict=True):
+            ctypes.memmove(e, c, page) if into_engine else ctypes.memmove(c, e, page)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), bpc=st.integers(1, 3), layers=st.integers(1, 4), mixed=st.booleans(),
+       cross_layer=st.booleans())
+def test_cuda_page_movers_addresses_move_what_the_torch_mover_moves(data: st.DataObject, bpc: int, layers: int,
+                                                                    mixed: bool, cross_layer: bool) -> None:
+    """The CUDA mover's whole address math (``piece_addresses``), replayed with memmove on CPU memory,
+    gathers and scatters exactly the bytes of :class:`PageMover`'s torch copies (chunks, skip, padding,
+    regions of two page sizes)."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    num_blocks = 12
+    pages = [48 * layers] if cross_layer else [48 if not mixed or i % 2 == 0 else 32 for i in range(layers)]
+    regions = [(torch.randint(-128, 127, (num_blocks, page + data.draw(st.sampled_from([0, 16]))),
+                              dtype=torch.int8, generator=gen), page) for page in pages]
+    mover = PageMover(regions, bpc, sum(pages) * bpc)
+    chunks = data.draw(st.integers(1, num_blocks // bpc))
+    ids = torch.tensor(data.draw(st.permutations(range(num_blocks)))[:chunks * bpc])
+
+    expected = torch.empty((chunks, mover.block_bytes), dtype=torch.uint8)
+    mover.gather(ids, expected)
+    got = torch.full_like(expected, 0xAB)
+    replay_with_memmove(mover.piece_addresses(ids, got.data_ptr()), into_engine=False)
+    assert torch.equal(got, expected)
+
+    skip = data.draw(st.integers(0, bpc - 1))
+    count = data.draw(st.integers(1, chunks * bpc - skip))
+    targets = torch.tensor(data.draw(st.permutations(range(num_blocks)))[:count])
+    before = [rows.clone() for rows, _ in regions]
+    mover.scatter(expected, targets, skip)
+    scattered = [rows.clone() for rows, _ in regions]
+    for rows, old in zip((rows for rows, _ in regions), before, strict=True):
+        rows.copy_(old)
+    replay_with_memmove(mover.piece_addresses(targets, expected.data_ptr(), skip), into_engine=True)
+    for (rows, _), want in zip(regions, scattered, strict=True):
+        assert torch.equal(rows, want)  # the same pages written, and padding past each page untouched
+
+
+def test_cuda_page_mover_refuses_pages_that_are_not_on_a_cuda_device() -> None:
+    with pytest.raises(LayoutMismatch, match="CUDA device, got cpu"):
+        CudaPageMover([(torch.zeros((4, 64), dtype=torch.int8), 64)], 1, 64, stream=None)  # type: ignore[arg-type]
+
+
+@requires_gpu
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_cuda_page_mover_equals_the_torch_mover_on_a_gpu(cross_layer: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    page, layers, bpc = 4096 + 48, 3, 2  # 48: a tail past the 16-byte units
+    widths = [page * layers] if cross_layer else [page] * layers
+    host = [torch.randint(-128, 127, (16, width + 32), dtype=torch.int8, generator=gen) for width in widths]
+    device_regions = [(rows.cuda(), width) for rows, width in zip(host, widths, strict=True)]
+    stream = torch.cuda.Stream()
+    mover = CudaPageMover(device_regions, bpc, page * layers * bpc, stream)
+    reference = PageMover([(rows.clone(), width) for rows, width in zip(host, widths, strict=True)], bpc,
+                          page * layers * bpc)
+    ids = torch.tensor([9, 2, 14, 5, 0, 11])
+    got = torch.empty((3, mover.block_bytes), dtype=torch.uint8, pin_memory=True)
+    expected = torch.empty_like(got)
+    mover.gather(ids, got)
+    reference.gather(ids, expected)
+    stream.synchronize()
+    assert torch.equal(got, expected)
+
+    targets = torch.tensor([1, 3, 7, 8, 12])
+    mover.scatter(got, targets, skip=1)
+    reference.scatter(expected, targets, skip=1)
+    stream.synchronize()
+    for (rows, _), (want, _) in zip(mover.regions, reference.regions, strict=True):
+        assert torch.equal(rows.cpu(), want)
+
+
+@requires_gpu
+def test_a_cuda_engine_stores_and_loads_bit_exact_through_the_kernels(cpu_tier: list[dict[str, Any]]) -> None:
+    harness = Harness(cpu_tier, device="cuda", bpc=2)
+    try:
+        keys = harness.keys(3)
+        assert harness.store(keys, [4, 5, 10, 11, 20, 21]) == keys
+        originals = [harness.block(0, b) for b in (4, 5, 10, 11, 20, 21)]
+        assert [harness.manager.lookup(k) for k in keys] == [Lookup.HIT] * 3
+        result = harness.load(keys, [1, 2, 3, 6, 7], start=1)  # the first engine block was computed
+        assert result["success"]
+        for target, block in zip([1, 2, 3, 6, 7], originals[1:], strict=True):
+            assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(harness.block(0, target), block, strict=True))
+    finally:
+        harness.close()
 
 
 def test_page_mover_refuses_a_layout_of_another_size() -> None:
