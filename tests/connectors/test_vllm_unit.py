@@ -445,10 +445,17 @@ def test_leased_blocks_survive_stores_that_evict(tmp_path: Path) -> None:
         h.close()
 
 
+def two_block_cpu_tier_over_file(tmp_path: Path) -> Harness:
+    """A CPU tier that holds two blocks over a file tier: the third block stored demotes one."""
+    probe = Harness([{"type": "cpu", "capacity": "1MiB"}])
+    block = probe.runtime.core.layouts[0].nbytes
+    probe.close()
+    return Harness([{"type": "cpu", "capacity": 2 * block},
+                    {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}])
+
+
 def test_a_block_demoted_between_lookup_and_load_is_read_back_verified(tmp_path: Path) -> None:
-    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
-    tiers = [{"type": "cpu", "capacity": 2 * block}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
-    h = Harness(tiers)
+    h = two_block_cpu_tier_over_file(tmp_path)
     try:
         keys = h.keys(2)
         h.store(keys, [0, 1])
@@ -564,9 +571,7 @@ def test_lookups_follow_evictions_and_removals_are_reported_once() -> None:
 
 
 def test_demoted_blocks_are_not_reported_removed(tmp_path: Path) -> None:
-    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
-    tiers = [{"type": "cpu", "capacity": 2 * block}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
-    h = Harness(tiers)
+    h = two_block_cpu_tier_over_file(tmp_path)
     try:
         keys = h.keys(2)
         h.store(keys, [0, 1])
