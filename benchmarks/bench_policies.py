@@ -54,6 +54,15 @@ def timed(trace: Trace, policies: list[str], capacity: int, repeats: int) -> dic
     return best
 
 
+def shown(path: str | Path) -> str:
+    """``path`` relative to the working directory when it lies below it (results files name no machine)."""
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", default=str(REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"))
@@ -104,7 +113,7 @@ def main() -> int:
     stem = Path(args.trace).stem
     plot = plot_results(trace, results, out / f"policies_{stem}.png")
     (out / f"policies_{stem}.json").write_text(json.dumps(results_json(trace, results), indent=2))
-    console.print(f"plot: {plot}\njson: {out / f'policies_{stem}.json'}\n")
+    console.print(f"plot: {shown(plot)}\njson: {shown(out / f'policies_{stem}.json')}\n")
 
     if not args.no_synthetic:
         from tests.policy.workloads import standard_workloads
