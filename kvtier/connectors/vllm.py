@@ -722,7 +722,7 @@ class KVTierOffloadManager:
         Reads that finished and were not looked at again are settled here, so no state goes stale.
         While reads are in flight the engine thread yields the GIL once per step: vLLM's engine loop
         steps without waiting for them, and with the default 5 ms switch interval kvtier's reader
-        threads would otherwise get the GIL a few times per request (file-tier TTFT 127 ms → 8 ms
+        threads would otherwise get the GIL a few times per request (file-tier TTFT 141.5 ms → 6.3 ms
         on the tiny-model benchmark, benchmarks/results/vllm_cpu.txt).
         """
         for key, fetch in list(self._fetching.items()):
@@ -956,8 +956,7 @@ class CudaPageMover(PageMover):
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for page, engine, cross in self.piece_addresses(block_ids, blocks.data_ptr(), skip):
-                engine_at = engine.to(self.device, non_blocking=True)
-                cross_at = cross.to(self.device, non_blocking=True)
+                engine_at, cross_at = torch.stack([engine, cross]).to(self.device, non_blocking=True)  # one copy
                 src, dst = (cross_at, engine_at) if into_engine else (engine_at, cross_at)
                 self._kernels.copy_addresses(src, dst, page, unit=unit, stream=self.stream)
 
@@ -969,8 +968,7 @@ class _Job:
     nbytes: int
     started: float
     scatters: list[tuple[PageMover, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
-    copied: Any = None  # CUDA: the event after this job's page copies; the job is done once it completed
-    buffers: list[torch.Tensor] = field(default_factory=list)  # host blocks those copies use until then
+    copied: Any = None  # CUDA: the event after this load's page copies (already enqueued); done once it completed
 
 
 def split_by_group(keys: Sequence[BlockKey], block_ids: Any, group_sizes: Sequence[int],
@@ -1076,7 +1074,7 @@ class KVTierOffloadWorkerCore:
         if self._stream is not None and future.exception() is None and future.result():
             for mover, blocks, engine_ids, start in scatters:  # the kernels write the pages now, on the stream
                 mover.scatter(blocks, engine_ids, start)
-            job.scatters, job.buffers, job.copied = [], [s[1] for s in scatters], self._copies_done()
+            job.copied = self._copies_done()  # the job keeps its host blocks alive until then
         self._jobs[job_id] = job
         return True
 
@@ -1120,7 +1118,7 @@ class KVTierOffloadWorkerCore:
             ok = False
         if not job.is_load:
             ok = True  # a refused store is a later miss, never an engine error
-        elif ok:
+        elif ok and job.copied is None:  # torch copies write the pages here; the kernels already did
             for mover, raw, ids, skip in job.scatters:
                 mover.scatter(raw, ids, skip)
         else:

@@ -27,8 +27,8 @@ from kvtier.kernels import fallback
 from kvtier.layout import BlockLayout, PerLayerLayout
 
 __all__ = ["KERNEL_SOURCES", "NVRTC_OPTIONS", "PieceGeometry", "copy_addresses", "copy_blocks", "kernel_source",
-           "load_module",
-           "pack_blocks", "piece_byte_addresses", "piece_geometry", "reachable", "require_cuda", "unpack_blocks"]
+           "load_module", "pack_blocks", "piece_byte_addresses", "piece_geometry", "reachable", "require_cuda",
+           "unpack_blocks"]
 
 #: The CUDA sources shipped in this package (``kvtier/kernels/*.cu``).
 KERNEL_SOURCES = ("copy_blocks.cu",)
