@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from kvtier.connectors.vllm import (
     UnsupportedVLLM,
     check_vllm_version,
     kvtier_config_for_engine,
+    page_movers,
 )
 from kvtier.errors import KVTierConfigError, LayoutMismatch
 from tests.gpu_support import requires_gpu
@@ -84,18 +86,17 @@ class Harness:
         config = kvtier_config_for_engine(source, self.geometry)
         self.runtime = OffloadRuntime(config, KeyCodec([g[0] for g in groups]), staging_bytes)
         gen = torch.Generator().manual_seed(seed)
-        self.stream = torch.cuda.Stream() if device == "cuda" else None
         self.pages: list[list[torch.Tensor]] = []
-        movers = []
-        for g, (_, tpb, layers) in enumerate(groups):
+        tensors: list[SimpleNamespace] = []
+        refs: list[list[SimpleNamespace]] = []  # vLLM's CanonicalKVCaches, as page_movers reads it
+        for _, tpb, layers in groups:
             page = 2 * tpb * HEADS * DIM * 2
             group_pages = [torch.randint(-128, 127, (num_blocks, page), dtype=torch.int8, generator=gen).to(device)
                            for _ in range(layers)]
             self.pages.append(group_pages)
-            nbytes = self.runtime.core.layouts[g].nbytes
-            regions = [(t, page) for t in group_pages]
-            movers.append(CudaPageMover(regions, bpc, nbytes, self.stream) if device == "cuda"
-                          else PageMover(regions, bpc, nbytes))
+            refs.append([SimpleNamespace(tensor_idx=len(tensors) + i, page_size_bytes=page) for i in range(layers)])
+            tensors += [SimpleNamespace(tensor=t) for t in group_pages]
+        movers = page_movers(SimpleNamespace(tensors=tensors, group_data_refs=refs), self.runtime, bpc)
         self.bpc = bpc
         self.manager = KVTierOffloadManager(self.runtime, enable_events=enable_events)
         self.worker = KVTierOffloadWorkerCore(self.runtime, movers, bpc)
@@ -307,6 +308,7 @@ def test_cuda_page_mover_equals_the_torch_mover_on_a_gpu(cross_layer: bool) -> N
 def test_a_cuda_engine_stores_and_loads_bit_exact_through_the_kernels(cpu_tier: list[dict[str, Any]]) -> None:
     harness = Harness(cpu_tier, device="cuda", bpc=2)
     try:
+        assert all(isinstance(m, CudaPageMover) for m in harness.worker.movers)  # page_movers chose the kernels
         keys = harness.keys(3)
         assert harness.store(keys, [4, 5, 10, 11, 20, 21]) == keys
         originals = [harness.block(0, b) for b in (4, 5, 10, 11, 20, 21)]
