@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.errors import KVTierConfigError
-from kvtier.layout import BlockLayout
+
+if TYPE_CHECKING:  # annotations only: config validation and `kvtier check` run without torch
+    from kvtier.layout import BlockLayout
 
 log = logging.getLogger(__name__)
 _said_no_groups = False

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -19,7 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvtier.blocks import KVCacheSpec, KVGroup, resolve_block_size_factor
 from kvtier.errors import KVTierConfigError, LayoutMismatch, TierUnavailable
 from kvtier.hashing import Namespace
-from kvtier.layout import BlockLayout, dtype_name, parse_dtype
+
+if TYPE_CHECKING:  # torch is imported only when a cache is built, never to validate a config
+    from kvtier.layout import BlockLayout
+from kvtier.geometry import BlockGeometry, canonical_dtype
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -38,7 +42,10 @@ def parse_size(value: int | str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"expected a size like '8GiB', '512MB' or a number of bytes, got {value!r} "
                          f"(units: B, KB, KiB, MB, MiB, GB, GiB, TB, TiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    number, unit = float(match.group(1)), _UNITS[match.group(2).lower()]
+    if unit == 1 and not number.is_integer():
+        raise ValueError(f"a size in bytes must be a whole number, got {value!r}")
+    return int(number * unit)
 
 
 Size = Annotated[int, Field(ge=0)]
@@ -52,7 +59,10 @@ class _SizeMixin(_Strict):
     @field_validator("capacity", mode="before", check_fields=False)
     @classmethod
     def _size(cls, value: Any) -> int:
-        return parse_size(value)
+        size = parse_size(value)
+        if size == 0:
+            raise ValueError("a tier of 0 bytes stores nothing; give it room for at least one block, or remove it")
+        return size
 
 
 class ModelConfig(_Strict):
@@ -72,7 +82,7 @@ class ModelConfig(_Strict):
     @classmethod
     def _dtype(cls, value: str) -> str:
         try:
-            return dtype_name(parse_dtype(value))
+            return canonical_dtype(value)
         except LayoutMismatch as exc:
             raise ValueError(str(exc)) from None
 
@@ -139,12 +149,19 @@ class GpuTierConfig(TierBase):
 
 
 class FileTierConfig(TierBase):
+    """``path`` may name environment variables as ``${NAME}`` or ``$NAME`` and start with ``~``."""
+
     type: Literal["file"]
     path: str = Field(min_length=1)
     compression: Literal["none", "lz4"] = "none"
     direct_io: bool = True
     io_threads: int = Field(default=4, gt=0, le=256)
     fsync: bool = False
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        return os.path.expanduser(expand_path_env(value))
 
 
 class CircuitBreakerConfig(_Strict):
@@ -183,6 +200,25 @@ def expand_env(value: Any) -> Any:
         return os.environ[name]
 
     return _ENV_REFERENCE.sub(one, value)
+
+
+_PATH_ENV_REFERENCE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def expand_path_env(value: str) -> str:
+    """``${NAME}`` and ``$NAME`` in a path → the variable's value; an unset one is an error naming it.
+
+    (``os.path.expandvars`` keeps an unset reference as text, which would create a directory named
+    ``${NAME}``.)
+    """
+
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in os.environ:
+            raise ValueError(f"environment variable {name} is not set (in {value!r})")
+        return os.environ[name]
+
+    return _PATH_ENV_REFERENCE.sub(one, value)
 
 
 class RedisTierConfig(_Strict):
@@ -230,6 +266,11 @@ class RedisTierConfig(_Strict):
 
     @model_validator(mode="after")
     def _where(self) -> RedisTierConfig:
+        from kvtier.extras import missing
+
+        problem = missing("redis")
+        if problem:
+            raise ValueError(problem)
         if self.cluster and not self.startup_nodes and not self.url:
             raise ValueError("a cluster needs startup_nodes (a list of host:port) or a url")
         if not self.cluster and self.startup_nodes:
@@ -268,6 +309,14 @@ class KVTierConfig(_Strict):
     placement: PlacementConfig = PlacementConfig()
     metrics: MetricsConfig = MetricsConfig()
 
+    @field_validator("groups")
+    @classmethod
+    def _groups(cls, value: list[GroupConfig] | None) -> list[GroupConfig] | None:
+        if value is not None and not value:
+            raise ValueError("an empty list of KV-cache groups stores nothing; remove the key for one group "
+                             "of hash_block_size tokens")
+        return value
+
     @model_validator(mode="after")
     def _cross_checks(self) -> KVTierConfig:
         names = [tier_name(t, i) for i, t in enumerate(self.tiers)]
@@ -280,6 +329,27 @@ class KVTierConfig(_Strict):
         if self.model.mla and self.model.num_kv_heads != 1:
             raise ValueError("model.mla is true, so model.num_kv_heads must be 1 (one latent vector per token)")
         return self
+
+
+def _placement_problems(cfg: KVTierConfig, plans: Sequence[GroupPlan]) -> list[tuple[str, str]]:
+    """(key path, problem) of tiers that can hold no block, and of file tiers sharing a directory."""
+    problems = []
+    set_bytes = sum(p.geometry.nbytes for p in plans)
+    seen: dict[str, int] = {}
+    for i, t in enumerate(cfg.tiers):
+        if isinstance(t, RedisTierConfig):
+            continue
+        if plans and t.capacity < set_bytes:
+            problems.append((f"tiers[{i}].capacity",
+                             f"{t.capacity} bytes holds no block: one block of every KV-cache group takes "
+                             f"{set_bytes} bytes ({', '.join(p.geometry.describe() for p in plans)})"))
+        if isinstance(t, FileTierConfig):
+            where = os.path.realpath(t.path)
+            if where in seen:
+                problems.append((f"tiers[{i}].path", f"{t.path!r} is also the directory of tiers[{seen[where]}]; "
+                                                     f"two tiers would write the same files: give each its own"))
+            seen.setdefault(where, i)
+    return problems
 
 
 def tier_name(tier: GpuTierConfig | CpuTierConfig | FileTierConfig | RedisTierConfig, index: int) -> str:
@@ -327,44 +397,96 @@ def read_config_mapping(source: str | Path | Mapping[str, Any] | KVTierConfig, w
     return dict(data)
 
 
-def load_config(source: str | Path | Mapping[str, Any]) -> KVTierConfig:
+#: What ``load_config(..., engine_supplies_model=True)`` validates a config without a ``model`` with: the engine
+#: (vLLM, SGLang) supplies the real model, groups and block sizes at start-up.
+PLACEHOLDER_MODEL = {"name": "from-the-engine", "num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "mla": True}
+
+
+def load_config(source: str | Path | Mapping[str, Any], *, engine_supplies_model: bool = False) -> KVTierConfig:
     """Read and validate a config from a YAML file path, YAML text, or a mapping.
 
-    Raises :class:`KVTierConfigError` whose message starts with the key path (``tiers[1].capacity``).
+    Raises :class:`KVTierConfigError` whose message starts with the key path (``tiers[1].capacity``) of
+    the first problem; its ``problems`` list every one. With ``engine_supplies_model`` (a serving
+    engine's connector will supply the model and its block sizes) a missing ``model`` is allowed and the
+    checks that need a block's size are left to start-up.
     """
     data = read_config_mapping(source)
+    if engine_supplies_model and "model" not in data:
+        data["model"] = dict(PLACEHOLDER_MODEL)
     try:
         cfg = KVTierConfig.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = _format_loc(err["loc"])
-        value = err.get("input")
-        secret = loc.rsplit(".", 1)[-1] in _SECRET_KEYS
-        shown = "" if isinstance(value, Mapping) or secret else f" (got {value!r})"
-        more = f" [and {len(exc.errors()) - 1} more errors]" if len(exc.errors()) > 1 else ""
-        raise KVTierConfigError(loc, f"{err['msg']}{shown}{more}") from None
-    build_spec(cfg)  # block-size rules are checked now, not at first store
+        errors = [_describe_error(err) for err in exc.errors()]
+        path, message = errors[0]
+        more = f" [and {len(errors) - 1} more errors]" if len(errors) > 1 else ""
+        raise KVTierConfigError(path, f"{message}{more}",
+                                problems=tuple(f"{p}: {m}" for p, m in errors)) from None
+    _, plans = plan_groups(cfg)  # block-size rules are checked now, not at first store
+    problems = _placement_problems(cfg, [] if engine_supplies_model else plans)
+    if problems:
+        path, message = problems[0]
+        more = f" [and {len(problems) - 1} more errors]" if len(problems) > 1 else ""
+        raise KVTierConfigError(path, f"{message}{more}", problems=tuple(f"{p}: {m}" for p, m in problems))
     return cfg
+
+
+def _describe_error(err: Any) -> tuple[str, str]:
+    """(key path, message with the bad value unless it is a secret or a whole mapping) of a pydantic error."""
+    loc = _format_loc(err["loc"])
+    value = err.get("input")
+    secret = loc.rsplit(".", 1)[-1] in _SECRET_KEYS
+    shown = "" if isinstance(value, Mapping) or secret else f" (got {value!r})"
+    return loc, f"{err['msg']}{shown}"
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One KV-cache group of a config by numbers only (torch-free; :func:`build_spec` makes it a KVGroup)."""
+
+    group_id: int
+    name: str
+    gpu_block_size: int
+    geometry: BlockGeometry
+
+
+def plan_groups(cfg: KVTierConfig) -> tuple[int, tuple[GroupPlan, ...]]:
+    """(block_size_factor, groups) of a config, validated against vLLM's block-size rules, without torch."""
+    m = cfg.model
+    group_cfgs = cfg.groups if cfg.groups is not None else [GroupConfig(block_size=cfg.hash_block_size)]
+    factor = resolve_block_size_factor([g.block_size for g in group_cfgs], cfg.hash_block_size, cfg.block_size)
+    plans = tuple(
+        GroupPlan(i, g.name, g.block_size, BlockGeometry(
+            num_layers=g.num_layers or m.num_layers, num_kv_heads=g.num_kv_heads or m.num_kv_heads,
+            head_dim=g.head_dim or m.head_dim, block_size=g.block_size * factor, dtype=m.dtype,
+            kv_factor=1 if m.mla else 2, token_layout=m.token_layout))
+        for i, g in enumerate(group_cfgs))
+    return factor, plans
 
 
 def build_spec(cfg: KVTierConfig) -> KVCacheSpec:
     """Groups and the offload factor, validated against vLLM's block-size rules."""
-    m = cfg.model
-    group_cfgs = cfg.groups if cfg.groups is not None else [GroupConfig(block_size=cfg.hash_block_size)]
-    factor = resolve_block_size_factor([g.block_size for g in group_cfgs], cfg.hash_block_size, cfg.block_size)
+    from kvtier.layout import BlockLayout, parse_dtype
+
+    factor, plans = plan_groups(cfg)
     groups = []
-    for i, g in enumerate(group_cfgs):
-        layout = BlockLayout(num_layers=g.num_layers or m.num_layers, num_kv_heads=g.num_kv_heads or m.num_kv_heads,
-                             head_dim=g.head_dim or m.head_dim, block_size=g.block_size * factor,
-                             dtype=parse_dtype(m.dtype), kv_factor=1 if m.mla else 2, token_layout=m.token_layout)
-        groups.append(KVGroup(group_id=i, gpu_block_size=g.block_size, layout=layout, name=g.name))
+    for p in plans:
+        geo = p.geometry
+        layout = BlockLayout(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+                             block_size=geo.block_size, dtype=parse_dtype(geo.dtype), kv_factor=geo.kv_factor,
+                             token_layout=cfg.model.token_layout)
+        groups.append(KVGroup(group_id=p.group_id, gpu_block_size=p.gpu_block_size, layout=layout, name=p.name))
     return KVCacheSpec(hash_block_size=cfg.hash_block_size, groups=tuple(groups), block_size_factor=factor)
 
 
 def build_namespace(cfg: KVTierConfig, spec: KVCacheSpec) -> Namespace:
+    return namespace_for(cfg, [(g.group_id, g.layout.geometry) for g in spec.groups])
+
+
+def namespace_for(cfg: KVTierConfig, groups: Sequence[tuple[int, BlockGeometry]]) -> Namespace:
+    """The namespace of a config's model and its groups' geometries (torch-free)."""
     layout_fp = 0
-    for g in spec.groups:
-        layout_fp ^= g.layout.fingerprint() + g.group_id
+    for group_id, geometry in groups:
+        layout_fp ^= geometry.fingerprint() + group_id
     return Namespace(model=cfg.model.name, dtype=cfg.model.dtype, layout_fingerprint=layout_fp,
                      tp_rank=cfg.model.tp_rank, tp_size=cfg.model.tp_size)
 
@@ -426,7 +548,7 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
     if isinstance(tc, FileTierConfig):
         from kvtier.tiers.file import FileTier
 
-        root = Path(os.path.expanduser(os.path.expandvars(tc.path)))
+        root = Path(tc.path)  # ~ and environment variables were expanded at load time
         try:
             return FileTier(name, layouts, split_capacity(tc.capacity, spec), root=root, namespace=namespace.id,
                             compression=tc.compression, direct_io=tc.direct_io, io_threads=tc.io_threads,
@@ -435,6 +557,12 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
             raise KVTierConfigError(f"{path}.{exc.path}", str(exc).removeprefix(f"{exc.path}: ")) from None
         except (OSError, TierUnavailable) as exc:
             raise KVTierConfigError(f"{path}.path", f"cannot use {str(root)!r}: {exc}") from None
+    from kvtier.extras import MissingExtra, require
+
+    try:
+        require("redis")
+    except MissingExtra as exc:  # installed at load time, gone (or broken) now
+        raise KVTierConfigError(f"{path}.type", str(exc)) from None
     from kvtier.tiers.redis import RedisTier
 
     kwargs = tc.model_dump(exclude={"type", "name", "admission"})

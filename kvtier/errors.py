@@ -10,9 +10,11 @@ class KVTierError(Exception):
 class KVTierConfigError(KVTierError, ValueError):
     """A configuration is invalid; the message starts with the key path of the bad value."""
 
-    def __init__(self, path: str, message: str) -> None:
+    def __init__(self, path: str, message: str, *, problems: tuple[str, ...] = ()) -> None:
         self.path = path
         super().__init__(f"{path}: {message}" if path else message)
+        #: every problem found, one line each (``kvtier check`` prints them all); the message names the first
+        self.problems = problems or (str(self),)
 
 
 class LayoutMismatch(KVTierError, ValueError):

@@ -16,24 +16,16 @@ from enum import Enum
 from typing import Literal
 
 import torch
-import xxhash
 
 from kvtier.errors import LayoutMismatch
+from kvtier.geometry import DTYPE_ITEMSIZE, BlockGeometry, canonical_dtype
 
 #: Names of the logical dimensions of a cross-layer block, outermost first.
 LOGICAL_DIMS = ("layer", "kv", "token", "head", "dim")
 
 TokenLayout = Literal["NHD", "HND"]
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -42,13 +34,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         if name not in _DTYPES.values():
             raise LayoutMismatch(f"dtype {name} is not supported; use one of {sorted(_DTYPES)}")
         return name
-    aliases = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
-               "float": "float32", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-               "fp8_e5m2": "float8_e5m2"}
-    key = aliases.get(name, name).removeprefix("torch.")
-    if key not in _DTYPES:
-        raise LayoutMismatch(f"dtype {name!r} is not supported; use one of {sorted(_DTYPES)}")
-    return _DTYPES[key]
+    return _DTYPES[canonical_dtype(name)]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -118,13 +104,18 @@ class BlockLayout:
         """Bytes of one block: the size of every slot, file payload and Redis value (before codec)."""
         return self.numel * self.itemsize
 
+    @property
+    def geometry(self) -> BlockGeometry:
+        """The same block by numbers and dtype name (what torch-free code such as ``kvtier check`` uses)."""
+        return BlockGeometry(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+                             dtype_name(self.dtype), self.kv_factor, self.token_layout)
+
     def describe(self) -> str:
-        return (f"cross_layer[L={self.num_layers},kv={self.kv_factor},tokens={self.block_size},"
-                f"heads={self.num_kv_heads},dim={self.head_dim}] {dtype_name(self.dtype)} {self.token_layout}")
+        return self.geometry.describe()
 
     def fingerprint(self) -> int:
         """Stable 64-bit id of this layout; stored in every block header and part of the namespace."""
-        return xxhash.xxh3_64_intdigest(self.describe().encode())
+        return self.geometry.fingerprint()
 
     def logical_view(self, blocks: torch.Tensor) -> torch.Tensor:
         """View ``[n, *shape]`` blocks as ``[n, *logical_shape]`` (a permutation, never a copy)."""

@@ -4,6 +4,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.config import GpuTierConfig, build_spec, load_config, parse_size
 from kvtier.errors import KVTierConfigError
@@ -162,3 +164,138 @@ def test_gpu_tier_is_built_with_its_transfer_choice(tmp_path: Path, monkeypatch:
     _, tiers, _, _ = build_cache_parts(load_config(cfg))
     assert isinstance(tiers[0], RecordingTier) and tiers[0].device_index == 1
     assert tiers[0].transfer == TransferChoice("kernel", 1 << 20)
+
+
+# --- configs that would store nothing, or somewhere else than meant (issue 13, item 7) -----------------------
+@pytest.mark.parametrize(("mutate", "expected"), [
+    (lambda c: c["tiers"][0].update(capacity=0), "tiers[0].capacity: Value error, a tier of 0 bytes stores nothing"),
+    (lambda c: c["tiers"][1].update(capacity="0 GiB"), "tiers[1].capacity: Value error, a tier of 0 bytes"),
+    (lambda c: c["tiers"][0].update(capacity=0.5), "tiers[0].capacity: Value error, a size in bytes must be a whole"),
+    (lambda c: c["tiers"][0].update(capacity="0.5"), "tiers[0].capacity: Value error, a size in bytes must be a whole"),
+    (lambda c: c["tiers"][0].update(capacity="8KiB"), "tiers[0].capacity: 8192 bytes holds no block"),
+    (lambda c: c["tiers"][1].update(capacity=16383), "tiers[1].capacity: 16383 bytes holds no block"),
+    (lambda c: c.update(groups=[]), "groups: Value error, an empty list of KV-cache groups stores nothing"),
+])
+def test_a_config_that_stores_nothing_is_an_error_naming_the_key(tmp_path: Path, mutate: Any, expected: str) -> None:
+    cfg = base(tmp_path)  # SMALL_MODEL: 16 KiB blocks
+    mutate(cfg)
+    assert error_for(cfg).startswith(expected)
+
+
+def test_one_block_is_enough_and_fractions_of_a_unit_still_parse(tmp_path: Path) -> None:
+    cfg = base(tmp_path)
+    cfg["tiers"][0]["capacity"] = 16384
+    cfg["tiers"][1]["capacity"] = "0.5MiB"
+    loaded = load_config(cfg)
+    assert (loaded.tiers[0].capacity, loaded.tiers[1].capacity) == (16384, 512 << 10)  # type: ignore[union-attr]
+
+
+def test_every_group_must_fit_once(tmp_path: Path) -> None:
+    cfg = base(tmp_path)
+    cfg["groups"] = [{"block_size": 16}, {"block_size": 16, "name": "sliding", "num_layers": 1}]
+    cfg["tiers"][0]["capacity"] = 16384 + 8192 - 1  # one block of group 0 fits, not one of each group
+    message = error_for(cfg)
+    assert message.startswith("tiers[0].capacity: 24575 bytes holds no block: one block of every KV-cache group "
+                              "takes 24576 bytes")
+
+
+def test_two_file_tiers_on_one_directory_is_an_error(tmp_path: Path) -> None:
+    cfg = base(tmp_path)
+    cfg["tiers"].append({"type": "file", "name": "again", "path": str(tmp_path / "x" / ".."), "capacity": "1GiB"})
+    assert error_for(cfg).startswith(f"tiers[2].path: '{tmp_path / 'x' / '..'}' is also the directory of tiers[1]")
+    cfg["tiers"][2]["path"] = str(tmp_path / "other")
+    load_config(cfg)
+
+
+@pytest.mark.parametrize("reference", ["${KVTIER_TEST_UNSET}", "$KVTIER_TEST_UNSET"])
+def test_an_unset_variable_in_a_file_path_is_an_error_and_makes_no_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: str) -> None:
+    from kvtier import TieredCache
+
+    monkeypatch.delenv("KVTIER_TEST_UNSET", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = base(tmp_path)
+    cfg["tiers"][1]["path"] = f"{reference}/kvtier"
+    assert error_for(cfg).startswith("tiers[1].path: Value error, environment variable KVTIER_TEST_UNSET is not set")
+    with pytest.raises(KVTierConfigError):
+        TieredCache.from_config(cfg)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("KVTIER_TEST_UNSET", str(tmp_path / "set"))
+    loaded = load_config(cfg)
+    assert loaded.tiers[1].path == str(tmp_path / "set" / "kvtier")  # type: ignore[union-attr]
+
+
+def test_a_file_path_expands_the_home_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = base(tmp_path)
+    cfg["tiers"][1]["path"] = "~/kvtier"
+    assert load_config(cfg).tiers[1].path == str(tmp_path / "kvtier")  # type: ignore[union-attr]
+
+
+# --- every problem, not only the first (item 8) ----------------------------------------------------------------
+def test_the_error_lists_every_problem_with_its_key_path(tmp_path: Path) -> None:
+    cfg = base(tmp_path)
+    cfg["tiers"][0]["capacity"] = "lots"
+    cfg["tiers"][1]["evction"] = "lru"
+    cfg["model"]["num_layers"] = 0
+    with pytest.raises(KVTierConfigError) as info:
+        load_config(cfg)
+    assert str(info.value).endswith("[and 2 more errors]")
+    problems = info.value.problems
+    assert len(problems) == 3
+    assert {p.split(":", 1)[0] for p in problems} == {"model.num_layers", "tiers[0].capacity", "tiers[1].evction"}
+
+
+def test_a_single_problem_is_its_own_list(tmp_path: Path) -> None:
+    cfg = base(tmp_path)
+    cfg["tiers"][0]["capacity"] = "lots"
+    with pytest.raises(KVTierConfigError) as info:
+        load_config(cfg)
+    assert info.value.problems == (str(info.value),)
+
+
+# --- optional dependencies (item 10) ---------------------------------------------------------------------------
+def test_a_redis_tier_without_the_redis_package_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    cfg = base(tmp_path)
+    cfg["tiers"].append({"type": "redis", "url": "redis://127.0.0.1:6379/0"})
+    monkeypatch.setitem(sys.modules, "redis", None)  # what `import redis` sees when the package is not installed
+    message = error_for(cfg)
+    assert message.startswith("tiers[2]: Value error, a redis tier needs the redis package, which is not installed: "
+                              "pip install 'kvtier[redis]'")
+
+
+# --- torch-free validation (item 11) ---------------------------------------------------------------------------
+@given(st.integers(1, 64), st.integers(1, 16), st.sampled_from([1, 64, 80, 128, 576]), st.sampled_from([1, 16, 64]),
+       st.sampled_from(["float16", "bf16", "fp32", "fp8", "float8_e5m2", "int8", "uint8"]), st.sampled_from([1, 2]),
+       st.sampled_from(["NHD", "HND"]))
+def test_geometry_and_layout_agree_on_size_description_and_fingerprint(
+        layers: int, heads: int, dim: int, tokens: int, dtype: str, kv: int, order: str) -> None:
+    from kvtier.geometry import BlockGeometry
+    from kvtier.layout import BlockLayout
+
+    layout = BlockLayout(layers, heads, dim, tokens, dtype=dtype, kv_factor=kv, token_layout=order)  # type: ignore[arg-type]
+    geometry = BlockGeometry(layers, heads, dim, tokens, dtype=dtype, kv_factor=kv, token_layout=order)
+    assert layout.geometry == BlockGeometry(layers, heads, dim, tokens, layout.geometry.dtype, kv, order)
+    assert (geometry.nbytes, geometry.describe(), geometry.fingerprint()) == \
+        (layout.nbytes, layout.describe(), layout.fingerprint())
+
+
+def test_the_torch_free_namespace_is_the_cache_namespace(tmp_path: Path) -> None:
+    from kvtier.config import build_namespace, namespace_for, plan_groups
+
+    cfg = base(tmp_path)
+    cfg["groups"] = [{"block_size": 16}, {"block_size": 32, "name": "sliding", "num_layers": 1}]
+    loaded = load_config(cfg)
+    _, plans = plan_groups(loaded)
+    assert namespace_for(loaded, [(p.group_id, p.geometry) for p in plans]) == build_namespace(loaded, build_spec(loaded))
+
+
+def test_the_layout_fingerprint_did_not_change() -> None:
+    """Stored blocks carry it: a new value would turn every existing file and Redis value into a miss."""
+    from kvtier.layout import BlockLayout
+
+    layout = BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")  # type: ignore[arg-type]
+    assert layout.describe() == "cross_layer[L=32,kv=2,tokens=16,heads=8,dim=128] bfloat16 NHD"
+    assert layout.fingerprint() == __import__("xxhash").xxh3_64_intdigest(layout.describe().encode())
