@@ -1,7 +1,8 @@
 """The ``kvtier`` command: ``demo``, ``check``, ``stats`` and ``replay``.
 
-Thin: parses arguments, calls the library, prints with rich. Exit codes: 0 ok, 1 the job failed
-(e.g. a verification mismatch), 2 bad usage or config.
+Thin: parses arguments, calls the library, prints with rich (text from configs, paths and errors is
+escaped, never read as markup). Exit codes: 0 ok, 1 the job failed (e.g. a verification mismatch),
+2 bad usage or config. ``--help``, ``--version`` and ``check`` never import torch.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -27,63 +29,164 @@ console = Console(width=max(Console().width, 120))
 
 
 def _gib(n: int) -> str:
+    if n >= 1 << 40:
+        return f"{n / (1 << 40):.2f} TiB"
     if n >= 1 << 30:
         return f"{n / (1 << 30):.2f} GiB"
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def say_problem(label: str, detail: str = "", out: Console | None = None) -> None:
+    """``label`` in red, then ``detail`` as plain text on one line: brackets in paths and messages are never markup."""
+    (out or console).print(f"[red]{escape(label)}[/red]" + (f" {escape(detail)}" if detail else ""), soft_wrap=True)
+
+
+def say_config_error(source: str, exc: KVTierConfigError, out: Console | None = None) -> None:
+    """Every problem of a config, one per line."""
+    problems = exc.problems
+    say_problem("invalid config", f"{source}: {len(problems)} problem{'s' if len(problems) > 1 else ''}", out)
+    for problem in problems:
+        (out or console).print(f"  {escape(problem)}", soft_wrap=True)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
-    from kvtier.config import build_namespace, build_spec, load_config, redact_url, split_capacity, tier_name
+    from kvtier.config import load_config, read_config_mapping
 
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, engine_supplies_model=args.vllm)
     except KVTierConfigError as exc:
-        console.print(f"[red]invalid config[/red] {args.config}: {exc}")
+        say_config_error(args.config, exc)
+        if not args.vllm and any(p.startswith("model:") for p in exc.problems):
+            console.print("  (a tiers-only config for vLLM's connector? `kvtier check --vllm FILE` checks it as one)")
         return 2
-    spec = build_spec(cfg)
-    ns = build_namespace(cfg, spec)
+    console.print(f"[green]ok[/green] {escape(args.config)}" + (" (for the vLLM connector)" if args.vllm else ""))
+    raw = read_config_mapping(args.config)
+    for line in check_report(cfg, vllm=args.vllm, model_given="model" in raw,
+                             engine_keys=[k for k in ("hash_block_size", "block_size", "groups") if k in raw]):
+        console.print(line)
+    return 0
+
+
+def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequence[str]) -> list[Any]:
+    """What ``kvtier check`` prints for a valid config: model, groups, tiers, placement, then warnings."""
+    from kvtier.config import namespace_for, plan_groups, redact_url, tier_name
+    from kvtier.hostinfo import cuda_present
+
+    out: list[Any] = []
+    warnings: list[str] = []
+    factor, plans = plan_groups(cfg)
+    ns = namespace_for(cfg, [(p.group_id, p.geometry) for p in plans])
+    set_bytes = sum(p.geometry.nbytes for p in plans)
     m = cfg.model
-    console.print(f"[green]ok[/green] {args.config}")
-    console.print(f"model {m.name}: {m.num_layers} layers, {m.num_kv_heads} KV heads, head_dim {m.head_dim}, "
-                  f"{m.dtype}{' (MLA)' if m.mla else ''}, TP rank {m.tp_rank}/{m.tp_size}; namespace {ns.id}")
-    console.print(f"hash_block_size {spec.hash_block_size}, block_size_factor {spec.block_size_factor}")
-    groups = Table("group", "name", "GPU block", "offloaded block", "bytes/block", "layout")
-    for g in spec.groups:
-        groups.add_row(str(g.group_id), g.name, f"{g.gpu_block_size} tok", f"{g.offloaded_block_size} tok",
-                       _gib(g.layout.nbytes), g.layout.describe())
-    if not spec.groups:
-        console.print("no KV-cache groups: kvtier will store nothing")
+    if vllm:
+        out.append("model, KV-cache groups, block sizes and TP rank: from the vLLM engine at start-up"
+                   + (" (the model section given here must agree with it, and its name names the namespace)"
+                      if model_given else ""))
+        for key in engine_keys:
+            warnings.append(f"{key}: set by the vLLM engine; "
+                            + ("set block_size (or blocks_per_chunk) in kv_connector_extra_config and remove it "
+                               "here, or start-up fails unless it matches" if key == "block_size" else
+                               "the value here is replaced at start-up"))
     else:
-        console.print(groups)
+        out.append(escape(f"model {m.name}: {m.num_layers} layers, {m.num_kv_heads} KV heads, head_dim {m.head_dim}, "
+                          f"{m.dtype}{' (MLA)' if m.mla else ''}, TP rank {m.tp_rank}/{m.tp_size}; namespace {ns.id}"))
+        out.append(f"hash_block_size {cfg.hash_block_size}, block_size_factor {factor}")
+        groups = Table("group", "name", "GPU block", "offloaded block", "bytes/block", "layout")
+        for p in plans:
+            groups.add_row(str(p.group_id), escape(p.name), f"{p.gpu_block_size} tok", f"{p.geometry.block_size} tok",
+                           _gib(p.geometry.nbytes), p.geometry.describe())
+        out.append(groups)
+    cuda = cuda_present()
     tiers = Table("#", "tier", "type", "capacity", "blocks/group", "eviction", "admission", "where")
     for i, t in enumerate(cfg.tiers):
+        name = escape(tier_name(t, i))
         if t.type == "redis":
             where = ", ".join(t.startup_nodes or []) if t.cluster else redact_url(t.url or "")
-            tiers.add_row(str(i), tier_name(t, i), "redis" + (" cluster" if t.cluster else ""),
-                          "server maxmemory", "-", "server", t.admission, where)
+            tiers.add_row(str(i), name, "redis" + (" cluster" if t.cluster else ""),
+                          "server maxmemory", "-", "server", t.admission, escape(where))
             continue
-        shares = split_capacity(t.capacity, spec)
-        blocks = ", ".join(str(shares[g.group_id] // g.layout.nbytes) for g in spec.groups)
-        where = getattr(t, "path", "pinned host memory" if getattr(t, "pinned", "auto") is not False else "host memory")
-        tiers.add_row(str(i), tier_name(t, i), t.type, _gib(t.capacity), blocks, t.eviction, t.admission, where)
-    console.print(tiers)
+        blocks = "from the engine" if vllm else str(t.capacity // set_bytes)
+        if t.type == "file":
+            where = t.path
+        elif t.type == "gpu":
+            where = f"cuda:{t.device}" + ("" if cuda else " (no CUDA here: this tier cannot start on this machine)")
+        else:
+            where = "pinned host memory" if t.pinned is not False and cuda else "host memory"
+            if t.pinned is True and not cuda:
+                where += " (pinned: true, but no CUDA here)"
+        tiers.add_row(str(i), name, t.type, _gib(t.capacity), blocks, t.eviction, t.admission, escape(where))
+    out.append(tiers)
     p = cfg.placement
-    console.print(f"placement: {p.write_mode}, promote_on_hit={p.promote_on_hit} (to tier {p.promote_to}), "
-                  f"keep_lower_copy={p.keep_lower_copy}")
-    return 0
+    out.append(f"placement: {p.write_mode}, promote_on_hit={p.promote_on_hit} (to tier {p.promote_to}), "
+               f"keep_lower_copy={p.keep_lower_copy}")
+    warnings += capacity_warnings(cfg, ns.id)
+    out += [f"[yellow]warning[/yellow] {escape(w)}" for w in warnings]
+    return out
+
+
+def capacity_warnings(cfg: Any, namespace: str) -> list[str]:
+    """Capacities this machine cannot hold now: memory tiers over available memory, file tiers over free disk.
+
+    A file tier's blocks already on disk (this namespace's directory) count as room it has; file tiers
+    on one filesystem are added up.
+    """
+    from kvtier.hostinfo import available_memory, bytes_under, free_disk
+
+    warnings = []
+    memory_tiers = [(i, t) for i, t in enumerate(cfg.tiers) if t.type == "cpu"]
+    memory = sum(t.capacity for _, t in memory_tiers)
+    available = available_memory()
+    if memory_tiers and available is not None and memory > available:
+        names = ", ".join(f"tiers[{i}].capacity" for i, _ in memory_tiers)
+        warnings.append(f"{names}: {_gib(memory)} is more than the {_gib(available)} of memory available "
+                        f"now; the tier fails to start or the host swaps")
+    per_fs: dict[int, list[tuple[int, Any, Path, int]]] = {}
+    for i, t in enumerate(cfg.tiers):
+        if t.type != "file":
+            continue
+        try:
+            where, free = free_disk(t.path)
+            device = os.stat(where).st_dev
+        except OSError:
+            continue  # the path's problem is reported when the tier starts
+        per_fs.setdefault(device, []).append((i, t, where, free + bytes_under(Path(t.path) / namespace)))
+    for tiers in per_fs.values():
+        capacity = sum(t.capacity for _, t, _, _ in tiers)
+        room = max(r for _, _, _, r in tiers)
+        if capacity > room:
+            names = ", ".join(f"tiers[{i}].capacity" for i, _, _, _ in tiers)
+            warnings.append(f"{names}: {_gib(capacity)} is more than the {_gib(room)} free on the filesystem of "
+                            f"{tiers[0][2]} (counting the blocks already stored); the disk fills before the "
+                            f"capacity does")
+    return warnings
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvtier.cache import TieredCache
+    from kvtier.config import read_config_mapping
     from kvtier.demo import chat_workload, default_config, make_workdir, run_demo
 
-    workdir, temporary = make_workdir(args.dir)
+    config: Any = None
+    if args.config:
+        try:
+            config = read_config_mapping(args.config)
+            if args.dir:
+                config = place_file_tiers(config, Path(args.dir))
+        except KVTierConfigError as exc:
+            say_config_error(args.config, exc)
+            return 2
     try:
-        config: Any = args.config or default_config(workdir)
+        workdir, temporary = make_workdir(args.dir)
+    except OSError as exc:
+        say_problem("--dir", f"cannot use {args.dir}: {exc.strerror or exc}")
+        return 2
+    try:
+        if config is None:
+            config = default_config(workdir)
         try:
             cache = TieredCache.from_config(config)
         except KVTierConfigError as exc:
-            console.print(f"[red]invalid config[/red]: {exc}")
+            say_config_error(args.config or "the built-in demo config", exc)
             return 2
         with cache:
             if not cache.spec.groups:
@@ -95,8 +198,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             console.print(f"kvtier demo: {len(prompts)} requests from {args.conversations} conversations, "
                           f"{layout.describe()} = {_gib(layout.nbytes)} per block")
             for tier in cache.core.tiers:
-                console.print(f"  tier {tier.name} ({tier.kind}): {_gib(sum(tier.capacity_bytes.values()))}"
-                              + (f" at {tier.root}" if hasattr(tier, "root") else ""))
+                console.print(escape(f"  tier {tier.name} ({tier.kind}): {_gib(sum(tier.capacity_bytes.values()))}"
+                                     + (f" at {tier.root}" if hasattr(tier, "root") else "")))
             with Progress(TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=console, transient=False, disable=args.quiet) as bar:
                 task = bar.add_task("requests", total=len(prompts))
@@ -107,7 +210,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             table.add_column(col, justify="left" if col == "tier" else "right")
         for t in stats.tiers:
             errors = sum(t.errors.values()) + t.corrupt_or_lost
-            table.add_row(f"{t.name} ({t.kind})", str(t.hits), str(t.stores), str(t.evictions),
+            table.add_row(escape(f"{t.name} ({t.kind})"), str(t.hits), str(t.stores), str(t.evictions),
                           str(t.demotions_out), str(t.promotions_in),
                           f"{_gib(t.bytes_read)} @ {t.read_gbps:.2f} GB/s",
                           f"{_gib(t.bytes_written)} @ {t.write_gbps:.2f} GB/s",
@@ -130,8 +233,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def place_file_tiers(config: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """``kvtier demo --config X --dir D``: each file tier of X is moved to ``D/<tier name>``.
+
+    So a config meant for a real NVMe path can be tried without touching that path. A config without
+    a file tier has nothing to put there: that is an error, not a silently ignored flag.
+    """
+    tiers = config.get("tiers")
+    if not isinstance(tiers, list) or not any(isinstance(t, dict) and t.get("type") == "file" for t in tiers):
+        raise KVTierConfigError("--dir", "the config has no file tier to put there; remove --dir, or add a file tier")
+    moved = []
+    for i, t in enumerate(tiers):
+        if isinstance(t, dict) and t.get("type") == "file":
+            name = t.get("name") or "file"
+            if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+                raise KVTierConfigError(f"tiers[{i}].name", f"{name!r} cannot name a directory under --dir")
+            t = {**t, "path": str(directory / name)}
+        moved.append(t)
+    return {**config, "tiers": moved}
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     """Per-tier figures of a running process (its metrics endpoint) or of a file-tier directory."""
+    from urllib.parse import urlsplit
+
+    if args.url and (urlsplit(args.url).scheme not in ("http", "https") or not urlsplit(args.url).netloc):
+        say_problem("--url", f"expected a metrics endpoint like http://127.0.0.1:9400/metrics, got {args.url!r}")
+        return 2
     rows = _stats_from_url(args.url) if args.url else _stats_from_dir(Path(args.dir))
     if rows is None:
         return 1
@@ -139,11 +267,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
-        console.print("nothing found")
+        console.print(f"no file-tier blocks under {escape(args.dir)}" if args.dir else "nothing found")
         return 0
     table = Table(*rows[0].keys())
     for row in rows:
-        table.add_row(*(f"{v:,}" if isinstance(v, int) else str(v) for v in row.values()))
+        table.add_row(*(f"{v:,}" if isinstance(v, int) else escape(str(v)) for v in row.values()))
     console.print(table)
     return 0
 
@@ -157,8 +285,8 @@ def _stats_from_url(url: str) -> list[dict[str, Any]] | None:
     try:
         with urlopen(url, timeout=5) as response:
             text = response.read().decode()
-    except (URLError, OSError) as exc:
-        console.print(f"[red]cannot read {url}[/red]: {exc}")
+    except (URLError, OSError, ValueError) as exc:
+        say_problem(f"cannot read {url}", str(exc))
         return None
     per_tier: dict[str, dict[str, Any]] = {}
     wanted = {"kvtier_tier_hits": "hits", "kvtier_tier_misses": "misses", "kvtier_tier_stores": "stores", "kvtier_tier_evictions": "evictions",
@@ -166,17 +294,48 @@ def _stats_from_url(url: str) -> list[dict[str, Any]] | None:
               "kvtier_tier_bytes_read": "bytes read", "kvtier_tier_bytes_written": "bytes written",
               "kvtier_tier_usage_bytes": "used bytes", "kvtier_tier_capacity_bytes": "capacity bytes",
               "kvtier_tier_errors": "errors"}
-    for family in text_string_to_metric_families(text):
-        column = wanted.get(family.name)
-        if column is None:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
+    try:
+        for family in text_string_to_metric_families(text):
+            column = wanted.get(family.name)
+            if column is None:
                 continue
-            row = per_tier.setdefault(sample.labels["tier"], {"tier": sample.labels["tier"],
-                                                              "kind": sample.labels["kind"]})
-            row[column] = row.get(column, 0) + int(sample.value)
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                row = per_tier.setdefault(sample.labels["tier"], {"tier": sample.labels["tier"],
+                                                                  "kind": sample.labels["kind"]})
+                row[column] = row.get(column, 0) + int(sample.value)
+    except (ValueError, KeyError, TypeError) as exc:
+        detail = " ".join(str(exc).split())
+        say_problem(f"{url} is not a Prometheus metrics endpoint",
+                    f"({type(exc).__name__}: {detail[:80]}{'…' if len(detail) > 80 else ''})")
+        return None
+    if not per_tier:
+        say_problem(f"no kvtier metrics at {url}", "(a kvtier process serves them at metrics.port, path /metrics)")
+        return None
     return list(per_tier.values())
+
+
+def _tier_roots(root: Path, depth: int = 2) -> list[Path]:
+    """``root`` if it is a file tier's ``path`` (namespace directories holding ``g<N>`` groups), else such
+    directories up to ``depth`` levels below it (``kvtier demo --dir D`` puts its tier in ``D/kvtier-files``)."""
+    def is_tier_root(path: Path) -> bool:
+        try:
+            return any(ns.is_dir() and not ns.is_symlink() and any(g.is_dir() and g.name[:1] == "g" and g.name[1:].isdigit()
+                                                                for g in ns.iterdir())
+                       for ns in path.iterdir())
+        except OSError:
+            return False
+
+    if is_tier_root(root):
+        return [root]
+    if depth == 0:
+        return []
+    try:
+        children = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    except OSError:
+        return []
+    return [found for child in children for found in _tier_roots(child, depth - 1)]
 
 
 def _stats_from_dir(root: Path) -> list[dict[str, Any]] | None:
@@ -184,49 +343,91 @@ def _stats_from_dir(root: Path) -> list[dict[str, Any]] | None:
     from kvtier.tiers.file import BLOCK_SUFFIX
 
     if not root.is_dir():
-        console.print(f"[red]not a directory[/red]: {root}")
+        say_problem("not a directory", str(root))
         return None
     rows = []
-    for ns in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()):
-        for group in sorted(p for p in ns.iterdir() if p.is_dir() and p.name.startswith("g")):
-            blocks = size = 0
-            for shard in group.iterdir():
-                if not shard.is_dir():
-                    continue
-                with os.scandir(shard) as entries:
-                    for entry in entries:
-                        if entry.name.endswith(BLOCK_SUFFIX) and entry.is_file(follow_symlinks=False):
-                            blocks += 1
-                            size += entry.stat(follow_symlinks=False).st_size
-            rows.append({"namespace": ns.name, "group": group.name[1:], "blocks": blocks, "bytes on disk": size})
+    for tier_root in _tier_roots(root):
+        for ns in sorted(p for p in tier_root.iterdir() if p.is_dir() and not p.is_symlink()):
+            for group in sorted(p for p in ns.iterdir() if p.is_dir() and p.name.startswith("g")):
+                blocks = size = 0
+                for shard in group.iterdir():
+                    if not shard.is_dir():
+                        continue
+                    with os.scandir(shard) as entries:
+                        for entry in entries:
+                            if entry.name.endswith(BLOCK_SUFFIX) and entry.is_file(follow_symlinks=False):
+                                blocks += 1
+                                size += entry.stat(follow_symlinks=False).st_size
+                row = {"namespace": ns.name, "group": group.name[1:], "blocks": blocks, "bytes on disk": size}
+                if tier_root != root:
+                    row = {"path": str(tier_root.relative_to(root)), **row}
+                rows.append(row)
     return rows
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def directory_arg(text: str) -> str:
+    """argparse type: a directory, or a path where one can be made (not an existing file)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from kvtier import __version__
+
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache storage for LLM serving.")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a multi-turn chat workload through a two-tier cache and verify it")
     demo.add_argument("--config", help="YAML config to run on (default: embedded CPU + file tiers)")
-    demo.add_argument("--dir", help="directory for the default file tier (default: a temporary one, removed)")
-    demo.add_argument("--conversations", type=int, default=16)
-    demo.add_argument("--turns", type=int, default=4)
-    demo.add_argument("--system-tokens", type=int, default=512)
-    demo.add_argument("--turn-tokens", type=int, default=128)
+    demo.add_argument("--dir", type=directory_arg,
+                      help="directory for the file tier (default: a temporary one, removed); with --config, "
+                           "each file tier of the config goes to DIR/<tier name> instead of its path")
+    demo.add_argument("--conversations", type=positive_int, default=16)
+    demo.add_argument("--turns", type=positive_int, default=4, help="requests per conversation")
+    demo.add_argument("--system-tokens", type=non_negative_int, default=512)
+    demo.add_argument("--turn-tokens", type=positive_int, default=128)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(func=cmd_demo)
 
     check = sub.add_parser("check", help="validate a config and print the resolved tiers")
     check.add_argument("config", help="YAML file")
+    check.add_argument("--vllm", action="store_true",
+                       help="the config is for vLLM's connector: model, groups and block sizes come from the "
+                            "engine, so a tiers-only config is complete (docs/vllm.md)")
     check.set_defaults(func=cmd_check)
 
     stats = sub.add_parser("stats", help="per-tier figures of a running process or a file-tier directory")
     where = stats.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a process's metrics endpoint (config `metrics.port`), e.g. "
                                      "http://127.0.0.1:9400/metrics")
-    where.add_argument("--dir", help="a file tier's `path`")
+    where.add_argument("--dir", help="a file tier's `path`, or a directory holding one (e.g. `kvtier demo --dir`'s)")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.set_defaults(func=cmd_stats)
 

@@ -11,9 +11,11 @@ import json
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvtier.errors import KVTierConfigError
+from kvtier.extras import MissingExtra
 from kvtier.policy import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvtier.policy.admission import ADMISSION_POLICIES, make_admission_policy
 from kvtier.policy.placement import PlacementPolicy
@@ -21,6 +23,7 @@ from kvtier.replay import (
     DEFAULT_BYTES_PER_TOKEN,
     MIN_POLICY,
     TraceFormatError,
+    check_plot_target,
     parse_capacity,
     plan_runs,
     plot_results,
@@ -106,17 +109,23 @@ def _placement_factory(args: argparse.Namespace) -> Any:
 def run_replay(args: argparse.Namespace) -> int:
     """Do what ``kvtier replay`` was asked; returns the exit code."""
     err = Console(stderr=True)
+    if args.plot:
+        try:
+            check_plot_target(args.plot)
+        except (MissingExtra, ValueError) as exc:
+            err.print(f"[red]--plot[/red] {escape(str(exc))}")
+            return 2
     for name in args.policy:
         if name not in EVICTION_POLICIES and name not in ("default", MIN_POLICY):
-            err.print(f"[red]unknown policy[/red] {name!r}; known: {', '.join(sorted(EVICTION_POLICIES))}, default")
+            err.print(f"[red]unknown policy[/red] {escape(repr(name))}; known: {', '.join(sorted(EVICTION_POLICIES))}, default")
             return 2
     try:
         trace = read_trace(args.trace, format=args.format, block_tokens=args.block_tokens, limit=args.limit)
     except (TraceFormatError, ValueError) as exc:
-        err.print(f"[red]bad trace[/red] {exc}")
+        err.print(f"[red]bad trace[/red] {escape(str(exc))}")
         return 2
     if not trace.requests:
-        err.print(f"[red]bad trace[/red] {args.trace}: no requests")
+        err.print(f"[red]bad trace[/red] {escape(args.trace)}: no requests")
         return 2
     try:
         specs = args.capacity if args.capacity is not None else ([] if args.tiers else DEFAULT_CAPACITIES)
@@ -129,7 +138,7 @@ def run_replay(args: argparse.Namespace) -> int:
         for tiers in tier_sets:
             placement(len(tiers))  # validate now, not after an hour of replay
     except (ValueError, KVTierConfigError) as exc:
-        err.print(f"[red]bad arguments[/red] {exc}")
+        err.print(f"[red]bad arguments[/red] {escape(str(exc))}")
         return 2
 
     runs = plan_runs(args.policy, capacities, tier_sets, with_min=not args.no_min)
@@ -160,5 +169,5 @@ def run_replay(args: argparse.Namespace) -> int:
                   f"leading cached blocks of each request / all input tokens")
     if args.plot:
         path = plot_results(trace, results, args.plot)
-        (err if args.json else Console()).print(f"plot written to {path}")
+        (err if args.json else Console()).print(f"plot written to {escape(str(path))}")
     return 0

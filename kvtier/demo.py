@@ -28,6 +28,7 @@ import xxhash
 from kvtier.blocks import BlockKey
 from kvtier.cache import TieredCache
 from kvtier.hashing import hash_token_blocks
+from kvtier.hostinfo import available_memory
 from kvtier.layout import BlockLayout
 
 #: Llama-3.1-8B: 32 layers, 8 KV heads, head_dim 128, fp16, 16-token blocks = 2 MiB cross-layer blocks.
@@ -37,7 +38,7 @@ LLAMA_8B_MODEL = {"name": "llama-3.1-8b-demo", "num_layers": 32, "num_kv_heads":
 
 def default_config(workdir: Path) -> dict[str, Any]:
     """The embedded default: a CPU tier and a file tier under ``workdir``, sized to this machine."""
-    avail = _available_memory()
+    avail = available_memory() or 4 << 30
     cpu = min(1 << 30, max(64 << 20, avail // 16))
     free_disk = shutil.disk_usage(workdir).free
     disk = min(4 << 30, max(128 << 20, free_disk // 8))
@@ -51,17 +52,6 @@ def default_config(workdir: Path) -> dict[str, Any]:
         ],
         "placement": {"write_mode": "write_back", "promote_on_hit": True},
     }
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
 
 
 class KVOracle:

@@ -576,9 +576,40 @@ def results_json(trace: Trace, results: Sequence[ReplayResult]) -> dict[str, Any
     return {"trace": trace.summary(), "default_policy": DEFAULT_EVICTION, "results": out}
 
 
+def check_plot_target(path: str | Path) -> None:
+    """Refuse a plot that would fail after the replay: no matplotlib, an unknown format, an unwritable folder.
+
+    Raises :class:`kvtier.extras.MissingExtra` or ``ValueError`` naming the problem.
+    """
+    import os
+
+    from kvtier.extras import require
+
+    require("matplotlib")
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{str(out)!r} is a directory; give a file name such as {str(out / 'replay.png')!r}")
+    suffix = out.suffix.lstrip(".").lower()
+    if suffix not in formats:
+        raise ValueError(f"{str(out)!r}: {'no file extension' if not suffix else f'.{suffix} is not a format matplotlib writes'}; "
+                         f"use .png, .svg or .pdf (or one of {', '.join(sorted(formats))})")
+    folder = out.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"cannot write {str(out)!r}: {str(folder)!r} is not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write {str(out)!r}: no write permission in {str(folder)!r}")
+
+
 def plot_results(trace: Trace, results: Sequence[ReplayResult], path: str | Path) -> Path:
     """Hit ratio against capacity (% of distinct blocks, log scale), one line per policy; PNG/SVG/PDF."""
-    import matplotlib
+    from kvtier.extras import require
+
+    matplotlib = require("matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
