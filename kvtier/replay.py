@@ -527,10 +527,11 @@ def _size(n: float) -> str:
 
 def results_table(trace: Trace, results: Sequence[ReplayResult]) -> Any:
     """A :class:`rich.table.Table` of the results, grouped by capacity, baselines and MIN beside."""
+    from rich.markup import escape
     from rich.table import Table
 
     multi = any(len(r.capacities) > 1 for r in results)
-    table = Table(title=f"{trace.name}: {len(trace.requests):,} requests, {trace.references:,} block references, "
+    table = Table(title=f"{escape(trace.name)}: {len(trace.requests):,} requests, {trace.references:,} block references, "
                         f"{trace.distinct_blocks:,} distinct blocks of {trace.block_tokens} tokens",
                   title_justify="left")
     table.add_column("capacity (blocks)", justify="right")

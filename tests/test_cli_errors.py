@@ -70,6 +70,15 @@ def test_brackets_in_paths_and_values_are_printed_as_written(tmp_path: Path, mon
     assert "[red]files" in out and "[bold]ram" in out
 
 
+def test_a_trace_name_with_brackets_is_printed_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    trace = tmp_path / "[red]tiny.jsonl"
+    shutil.copy(REPO / "tests" / "fixtures" / "mooncake_tiny.jsonl", trace)
+    assert main(["replay", str(trace), "--capacity", "10", "--no-min", "--no-progress"]) == 0
+    assert "[red]tiny" in capsys.readouterr().out
+
+
 def test_check_prints_every_problem_with_its_key_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = write_config(tmp_path / "bad.yaml", "model: {name: m, num_layers: 0, num_kv_heads: 2, head_dim: 8}\n"
                                               "tiers:\n  - {type: cpu, capacity: '[red]lots'}\n"
