@@ -119,16 +119,17 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
     p = cfg.placement
     out.append(f"placement: {p.write_mode}, promote_on_hit={p.promote_on_hit} (to tier {p.promote_to}), "
                f"keep_lower_copy={p.keep_lower_copy}")
-    warnings += capacity_warnings(cfg, ns.id)
+    warnings += capacity_warnings(cfg, None if vllm else ns.id)
     out += [f"[yellow]warning[/yellow] {escape(w)}" for w in warnings]
     return out
 
 
-def capacity_warnings(cfg: Any, namespace: str) -> list[str]:
+def capacity_warnings(cfg: Any, namespace: str | None) -> list[str]:
     """Capacities this machine cannot hold now: memory tiers over available memory, file tiers over free disk.
 
-    A file tier's blocks already on disk (this namespace's directory) count as room it has; file tiers
-    on one filesystem are added up.
+    A file tier's blocks already on disk count as room it has: those of ``namespace``'s directory, or
+    everything under its path where the namespace is not known yet (a config for vLLM). File tiers on
+    one filesystem are added up.
     """
     from kvtier.hostinfo import available_memory, bytes_under, free_disk
 
@@ -140,7 +141,7 @@ def capacity_warnings(cfg: Any, namespace: str) -> list[str]:
         names = ", ".join(f"tiers[{i}].capacity" for i, _ in memory_tiers)
         warnings.append(f"{names}: {_gib(memory)} is more than the {_gib(available)} of memory available "
                         f"now; the tier fails to start or the host swaps")
-    per_fs: dict[int, list[tuple[int, Any, Path, int]]] = {}
+    per_fs: dict[int, list[tuple[int, Any, Path, int, int]]] = {}
     for i, t in enumerate(cfg.tiers):
         if t.type != "file":
             continue
@@ -149,12 +150,13 @@ def capacity_warnings(cfg: Any, namespace: str) -> list[str]:
             device = os.stat(where).st_dev
         except OSError:
             continue  # the path's problem is reported when the tier starts
-        per_fs.setdefault(device, []).append((i, t, where, free + bytes_under(Path(t.path) / namespace)))
+        stored = bytes_under(Path(t.path) / namespace if namespace else t.path)
+        per_fs.setdefault(device, []).append((i, t, where, free, stored))
     for tiers in per_fs.values():
-        capacity = sum(t.capacity for _, t, _, _ in tiers)
-        room = max(r for _, _, _, r in tiers)
+        capacity = sum(t.capacity for _, t, _, _, _ in tiers)
+        room = tiers[0][3] + sum(stored for *_, stored in tiers)
         if capacity > room:
-            names = ", ".join(f"tiers[{i}].capacity" for i, _, _, _ in tiers)
+            names = ", ".join(f"tiers[{i}].capacity" for i, *_ in tiers)
             warnings.append(f"{names}: {_gib(capacity)} is more than the {_gib(room)} free on the filesystem of "
                             f"{tiers[0][2]} (counting the blocks already stored); the disk fills before the "
                             f"capacity does")

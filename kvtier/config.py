@@ -397,9 +397,9 @@ def read_config_mapping(source: str | Path | Mapping[str, Any] | KVTierConfig, w
     return dict(data)
 
 
-#: What ``load_config(..., engine_supplies_model=True)`` validates a config without a ``model`` with: the engine
-#: (vLLM, SGLang) supplies the real model, groups and block sizes at start-up.
-PLACEHOLDER_MODEL = {"name": "from-the-engine", "num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "mla": True}
+#: What ``load_config(..., engine_supplies_model=True)`` fills a missing ``model`` (or its missing keys) with: the
+#: engine (vLLM) supplies the real model, groups and block sizes at start-up.
+PLACEHOLDER_MODEL = {"name": "from-the-engine", "num_layers": 1, "num_kv_heads": 1, "head_dim": 1}
 
 
 def load_config(source: str | Path | Mapping[str, Any], *, engine_supplies_model: bool = False) -> KVTierConfig:
@@ -413,6 +413,8 @@ def load_config(source: str | Path | Mapping[str, Any], *, engine_supplies_model
     data = read_config_mapping(source)
     if engine_supplies_model and "model" not in data:
         data["model"] = dict(PLACEHOLDER_MODEL)
+    elif engine_supplies_model and isinstance(data["model"], Mapping):  # e.g. only `name`, for the namespace
+        data["model"] = {**PLACEHOLDER_MODEL, **data["model"]}
     try:
         cfg = KVTierConfig.model_validate(data)
     except ValidationError as exc:

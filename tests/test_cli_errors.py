@@ -366,6 +366,12 @@ def test_check_vllm_accepts_a_tiers_only_config(tmp_path: Path, capsys: pytest.C
     assert "(for the vLLM connector)" in out and "from the vLLM engine at start-up" in out
     assert "placement: write_through" in out and "from the engine" in out
     assert "namespace" not in out  # it depends on the engine's layout: not known here
+    named = write_config(tmp_path / "named.yaml", "model: {name: my-llama}\n" + cfg.read_text())
+    assert main(["check", "--vllm", str(named)]) == 0  # the connector takes the rest of `model` from vLLM
+    capsys.readouterr()
+    clash = write_config(tmp_path / "clash.yaml", "model: {name: m, mla: true, num_kv_heads: 8}\n" + cfg.read_text())
+    assert main(["check", "--vllm", str(clash)]) == 2
+    assert "model.mla is true, so model.num_kv_heads must be 1" in capsys.readouterr().out
 
 
 def test_check_vllm_still_refuses_bad_tiers_and_warns_about_keys_the_engine_sets(
