@@ -33,7 +33,9 @@ def _gib(n: int) -> str:
         return f"{n / (1 << 40):.2f} TiB"
     if n >= 1 << 30:
         return f"{n / (1 << 30):.2f} GiB"
-    return f"{n / (1 << 20):.1f} MiB"
+    if n >= 1 << 20 or n == 0:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / (1 << 10):.1f} KiB" if n >= 1 << 10 else f"{n} B"
 
 
 def say_problem(label: str, detail: str = "", out: Console | None = None) -> None:
