@@ -272,12 +272,12 @@ def test_a_redis_tier_without_the_redis_package_names_the_extra(tmp_path: Path, 
        st.sampled_from(["NHD", "HND"]))
 def test_geometry_and_layout_agree_on_size_description_and_fingerprint(
         layers: int, heads: int, dim: int, tokens: int, dtype: str, kv: int, order: str) -> None:
-    from kvtier.geometry import BlockGeometry
+    from kvtier.geometry import BlockGeometry, canonical_dtype
     from kvtier.layout import BlockLayout
 
     layout = BlockLayout(layers, heads, dim, tokens, dtype=dtype, kv_factor=kv, token_layout=order)  # type: ignore[arg-type]
     geometry = BlockGeometry(layers, heads, dim, tokens, dtype=dtype, kv_factor=kv, token_layout=order)
-    assert layout.geometry == BlockGeometry(layers, heads, dim, tokens, layout.geometry.dtype, kv, order)
+    assert layout.geometry == BlockGeometry(layers, heads, dim, tokens, canonical_dtype(dtype), kv, order)
     assert (geometry.nbytes, geometry.describe(), geometry.fingerprint()) == \
         (layout.nbytes, layout.describe(), layout.fingerprint())
 
