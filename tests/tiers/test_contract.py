@@ -25,8 +25,8 @@ from kvtier.blocks import BlockKey
 from kvtier.codec import HEADER_SIZE
 from kvtier.errors import LayoutMismatch
 from kvtier.layout import BlockLayout
-from kvtier.tiers.buffers import PAGE
 from kvtier.tiers.base import Tier
+from kvtier.tiers.buffers import PAGE
 
 #: Two groups of different block sizes: 16 KiB fp16 and 4 KiB bf16 (not a page multiple on disk).
 LAYOUTS = {
