@@ -90,12 +90,12 @@ def _file(tmp_path: Path, request: pytest.FixtureRequest) -> Subject:
 
 
 def _redis_tier(url: str | None, startup_nodes: list[str] | None) -> Subject:
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.tiers.redis import CircuitBreakerConfig, RedisTier
 
     namespace = f"contract-{uuid.uuid4().hex[:12]}"
     kwargs = {"url": url} if url else {"cluster": True, "startup_nodes": startup_nodes}
     tier = RedisTier("redis", LAYOUTS, CAPACITY, namespace=namespace, connect_timeout=0.3, timeout=0.5,
-                     circuit_breaker={"failures": 1, "cooldown_seconds": 60}, **kwargs)
+                     circuit_breaker=CircuitBreakerConfig(failures=1, cooldown_seconds=60), **kwargs)
     return Subject(tier)
 
 
