@@ -98,6 +98,24 @@ def test_constructor_derives_the_connection_from_validated_settings() -> None:
     assert tier.redis_key(BlockKey(b"\x01\xab", 3)) == b"kvtier:ns:3:01ab"
 
 
+def test_tiers_never_import_the_config() -> None:
+    """kvtier.config builds tiers; a tier that imported it back would close a circle (and validate twice)."""
+    import ast
+
+    import kvtier.tiers.base
+
+    root = Path(kvtier.tiers.base.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if isinstance(node, ast.ImportFrom) and node.module == "kvtier":
+                names = [f"kvtier.{a.name}" for a in node.names]
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.startswith("kvtier.config")]
+    assert offenders == []
+
+
 def test_circuit_breaker_states() -> None:
     now = [0.0]
     breaker = CircuitBreaker(CircuitBreakerConfig(failures=2, cooldown_seconds=5), clock=lambda: now[0])
@@ -190,12 +208,15 @@ def test_wrong_layout_fingerprint_is_a_miss(redis_url: str, namespace: str, make
 
 def test_ttl_is_set(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
     with_ttl = make_tier("t", {0: SMALL}, namespace=namespace, url=redis_url, ttl_seconds=30)
+    fractional = make_tier("f", {0: SMALL}, namespace=namespace, url=redis_url, ttl_seconds=1.5)
     without = make_tier("n", {0: SMALL}, namespace=namespace, url=redis_url)
-    ttl_keys, plain_keys = keys_for(2), keys_for(2)
+    ttl_keys, short_keys, plain_keys = keys_for(2), keys_for(2), keys_for(2)
     asyncio.run(with_ttl.put(ttl_keys, kv_like(SMALL, 2)))
+    asyncio.run(fractional.put(short_keys, kv_like(SMALL, 2)))
     asyncio.run(without.put(plain_keys, kv_like(SMALL, 2)))
     client = sync_client(redis_url)
     assert all(0 < client.pttl(with_ttl.redis_key(k)) <= 30_000 for k in ttl_keys)
+    assert all(1_000 < client.pttl(fractional.redis_key(k)) <= 1_500 for k in short_keys)  # PX, not whole seconds
     assert all(client.pttl(without.redis_key(k)) == -1 for k in plain_keys)
     client.close()
 
