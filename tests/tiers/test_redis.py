@@ -116,6 +116,24 @@ def test_tiers_never_import_the_config() -> None:
     assert offenders == []
 
 
+def test_slot_table_from_cluster_slots_rows() -> None:
+    """CLUSTER SLOTS rows → slot owners: "" is the node that answered, "?" (address unknown) is uncovered."""
+    from kvtier.tiers.redis.cluster import SLOTS, _table
+    from kvtier.tiers.redis.protocol import Addr
+
+    asked = Addr("10.0.0.9", 7000)
+    rows = [[0, 99, [b"10.0.0.1", 7001, b"id1"], [b"10.0.0.4", 7004, b"replica"]],
+            [100, 199, [b"", 7002, b"id2"]],
+            [200, 299, ["?", 7003, "id3"]],
+            [300, SLOTS - 1, ["10.0.0.3", 7003, "id3"]]]
+    owner = _table(rows, asked)
+    assert owner[0] == owner[99] == Addr("10.0.0.1", 7001)
+    assert owner[100] == owner[199] == Addr("10.0.0.9", 7002)
+    assert owner[200] is None and owner[299] is None
+    assert owner[300] == owner[SLOTS - 1] == Addr("10.0.0.3", 7003) and len(owner) == SLOTS
+    assert Addr.parse("[::1]:7000") == Addr("::1", 7000) and Addr.parse("nohost") is None
+
+
 def test_circuit_breaker_states() -> None:
     now = [0.0]
     breaker = CircuitBreaker(CircuitBreakerConfig(failures=2, cooldown_seconds=5), clock=lambda: now[0])
