@@ -11,6 +11,10 @@ block bytes) over ``--repeat`` passes, with the spread, for:
 - raw redis-py (hiredis) SET/GET of the same fp16 bytes: pipelined per batch, and each batch
   overlapped over a pool of 4 connections. Raw GET results stay ``bytes`` objects (no copy into
   tensors, no checksum), which favours the baseline;
+- valkey-glide's sync client (``pip install 'kvtier[bench]'``; the row is skipped without it): SET
+  from the tensors' memory and GET into preallocated tensors (``get(key, buffer=…)``), each batch
+  overlapped over 4 threads on its multiplexed connection: a maintained library with a zero-copy
+  read, as a standing comparison for the tier's own RESP client (no checksum either);
 - ``redis-benchmark`` (if on PATH): 2 MiB values, 4 clients, no pipelining.
 
 Each pass runs every client once, in turn, so a noisy neighbour slows all rows alike. All clients
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import os
 import re
 import shlex
@@ -32,7 +37,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis
@@ -167,6 +174,59 @@ class RedisPyClient:
         await self.pool.aclose()
 
 
+class GlideClient:
+    """valkey-glide's sync client: SET from tensor memory, GET into tensors, a batch over 4 threads."""
+
+    THREADS = 4
+
+    def __init__(self, url: str, blocks: list[torch.Tensor], keys: list[BlockKey], batch: int) -> None:
+        from glide_sync import GlideClient as Glide
+        from glide_sync import GlideClientConfiguration, NodeAddress, ServerCredentials
+
+        parts = urlsplit(url)
+        credentials = ServerCredentials(parts.password, parts.username or None) if parts.password else None
+        config = GlideClientConfiguration([NodeAddress(parts.hostname or "127.0.0.1", parts.port or 6379)],
+                                          use_tls=parts.scheme == "rediss", credentials=credentials,
+                                          database_id=int(parts.path.strip("/") or 0), request_timeout=10_000)
+        self.row = Row(f"valkey-glide sync, {self.THREADS} threads", "fp16 randn")
+        self.client: Any = Glide.create(config)
+        self.pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="bench-glide")
+        self.keys = [f"kvtier:{NAMESPACE}:0:{k.block_hash.hex()}".encode() for k in keys]
+        self.blocks = blocks
+        self.values = [b.numpy().data for b in blocks]
+        self.out = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in blocks]
+        self.out_views = [o.numpy().data for o in self.out]
+        self.groups = batches(len(blocks), batch)
+
+    def _run(self, fn: Callable[[int], Any], r: range) -> list[Any]:
+        return list(self.pool.map(fn, r))
+
+    async def one_pass(self) -> None:
+        client, keys = self.client, self.keys
+
+        async def put_all() -> None:
+            for r in self.groups:
+                done = await asyncio.to_thread(self._run, lambda i: client.set(keys[i], self.values[i]), r)
+                if any(d != "OK" for d in done):
+                    raise RuntimeError(f"valkey-glide SET failed: {done[:3]}")
+
+        async def get_all() -> None:
+            for r in self.groups:
+                got = await asyncio.to_thread(self._run, lambda i: client.get(keys[i], buffer=self.out_views[i]), r)
+                if any(g is None for g in got):
+                    raise RuntimeError("valkey-glide GET missed")
+
+        total = len(self.blocks) * BLOCK_BYTES
+        self.row.put.append(await rate(put_all, total))
+        self.row.get.append(await rate(get_all, total))
+        if not all(torch.equal(a, b) for a, b in zip(self.blocks, self.out, strict=True)):
+            raise RuntimeError("valkey-glide returned different bytes")
+
+    async def close(self) -> None:
+        self.pool.shutdown()
+        self.client.close()
+
+
 class RedisBenchmarkClient:
     """``redis-benchmark -t set,get -d 2097152 -c 4 -P 1`` (C, hiredis), one run per pass."""
 
@@ -199,12 +259,12 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
         ratio = f"{row.stored_ratio:.2f}" if row.stored_ratio is not None else "—"
         print(f"| {row.client:38s} | {row.data:11s} | {Row.cell(row.put):18s} | {Row.cell(row.get):18s} | "
               f"{ratio:>10s} |")
-    raw = [r for r in rows if r.client.startswith("redis-py")]
+    raw = [r for r in rows if r.client.startswith(("redis-py", "valkey-glide"))]
     tier = next((r for r in rows if r.client == "RedisTier compression=none" and r.data == "fp16 randn"), None)
     if raw and tier is not None:
         best_put = max(statistics.median(r.put) for r in raw)
         best_get = max(statistics.median(r.get) for r in raw)
-        print(f"\nRedisTier (no lz4, fp16) / best raw redis-py row: put ×{statistics.median(tier.put) / best_put:.2f}, "
+        print(f"\nRedisTier (no lz4, fp16) / best library row (redis-py, valkey-glide): put ×{statistics.median(tier.put) / best_put:.2f}, "
               f"get ×{statistics.median(tier.get) / best_get:.2f}")
     print(f"\n{args.blocks} blocks of {BLOCK_BYTES >> 20} MiB in batches of {args.batch}; median of {args.repeat} "
           f"interleaved passes (min–max); GB/s = raw block bytes / wall time.")
@@ -220,11 +280,15 @@ async def main(args: argparse.Namespace) -> None:
         version = probe.info("server").get("redis_version")
     finally:
         probe.close()
-    print(f"Redis {version} at {args.url}; redis-py {redis.__version__}; torch {torch.__version__}; "
+    try:
+        glide = f"valkey-glide-sync {importlib.metadata.version('valkey-glide-sync')}; "
+    except importlib.metadata.PackageNotFoundError:
+        glide = ""
+    print(f"Redis {version} at {args.url}; redis-py {redis.__version__}; {glide}torch {torch.__version__}; "
           f"{os.cpu_count()} CPUs\n")
     fp16, bf16 = kv_blocks(torch.float16, args.blocks), kv_blocks(torch.bfloat16, args.blocks)
     keys = [BlockKey(os.urandom(32), 0) for _ in range(args.blocks)]
-    clients: list[TierClient | RedisPyClient | RedisBenchmarkClient] = [
+    clients: list[TierClient | RedisPyClient | GlideClient | RedisBenchmarkClient] = [
         RedisPyClient(args.url, fp16, keys, args.batch, connections=0),
         RedisPyClient(args.url, fp16, keys, args.batch, connections=4),
         TierClient(args.url, "fp16", fp16, keys, args.batch, "none"),
@@ -232,6 +296,11 @@ async def main(args: argparse.Namespace) -> None:
         TierClient(args.url, "bf16", bf16, keys, args.batch, "none"),
         TierClient(args.url, "bf16", bf16, keys, args.batch, "lz4"),
     ]
+    if not args.no_glide:
+        try:
+            clients.insert(2, GlideClient(args.url, fp16, keys, args.batch))
+        except ImportError:
+            print("valkey-glide row skipped: pip install 'kvtier[bench]' (valkey-glide-sync)\n")
     binary = shutil.which("redis-benchmark")
     if binary is not None and not args.no_redis_benchmark:
         clients.append(RedisBenchmarkClient(binary, args.url, args.blocks))
@@ -255,4 +324,5 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=32, help="blocks per put/get call")
     parser.add_argument("--repeat", type=int, default=5, help="interleaved passes; the table shows the median")
     parser.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark row")
+    parser.add_argument("--no-glide", action="store_true", help="skip the valkey-glide row")
     asyncio.run(main(parser.parse_args()))

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvtier.blocks import KVCacheSpec, KVGroup, resolve_block_size_factor
 from kvtier.errors import KVTierConfigError, LayoutMismatch, TierUnavailable
@@ -24,6 +32,7 @@ from kvtier.hashing import Namespace
 if TYPE_CHECKING:  # torch is imported only when a cache is built, never to validate a config
     from kvtier.layout import BlockLayout
 from kvtier.geometry import BlockGeometry, canonical_dtype
+from kvtier.tiers.redis.breaker import CircuitBreakerConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -164,11 +173,6 @@ class FileTierConfig(TierBase):
         return os.path.expanduser(expand_path_env(value))
 
 
-class CircuitBreakerConfig(_Strict):
-    failures: int = Field(default=5, gt=0)
-    cooldown_seconds: float = Field(default=5.0, gt=0)
-
-
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 #: Keys whose values are never shown in an error message (nor in the config's repr).
 _SECRET_KEYS = ("password", "url")
@@ -182,6 +186,13 @@ def redact_url(url: str) -> str:
         user = creds.split(":", 1)[0]
         return f"{scheme}://{user}:***@{host}" if ":" in creds else f"{scheme}://{user}@{host}"
     return url
+
+
+def _host_port(node: str) -> str:
+    host, sep, port = node.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("expected host:port")
+    return node
 
 
 def expand_env(value: Any) -> Any:
@@ -231,15 +242,16 @@ class RedisTierConfig(_Strict):
     name: str | None = None
     url: str | None = Field(default=None, repr=False)
     cluster: bool = False
-    startup_nodes: list[str] | None = None
+    startup_nodes: list[Annotated[str, AfterValidator(_host_port)]] | None = Field(default=None, min_length=1)
     username: str | None = None
     password: str | None = Field(default=None, repr=False)
     tls_ca_file: str | None = None
-    ttl_seconds: int | None = Field(default=None, gt=0)
+    ttl_seconds: float | None = Field(default=None, gt=0, strict=True)
     compression: Literal["none", "lz4"] = "none"
     connect_timeout: float = Field(default=1.0, gt=0)
     timeout: float = Field(default=2.0, gt=0)
     max_connections: int = Field(default=16, gt=0)
+    #: The breaker's own model (kvtier/tiers/redis/breaker.py), handed to the tier as validated here.
     circuit_breaker: CircuitBreakerConfig = CircuitBreakerConfig()
     admission: Literal["always", "second_sighting", "tinylfu"] = "always"
 
@@ -277,6 +289,8 @@ class RedisTierConfig(_Strict):
             raise ValueError("startup_nodes is given but cluster is false; set cluster: true")
         if not self.cluster and not self.url:
             raise ValueError("set url (redis://host:port/db) or cluster: true with startup_nodes")
+        if self.cluster and self.url and int(urlsplit(self.url).path.strip("/") or 0) != 0:
+            raise ValueError("a Redis Cluster has only database 0; remove the database number from url")
         return self
 
 
@@ -567,6 +581,8 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
         raise KVTierConfigError(f"{path}.type", str(exc)) from None
     from kvtier.tiers.redis import RedisTier
 
-    kwargs = tc.model_dump(exclude={"type", "name", "admission"})
-    kwargs["circuit_breaker"] = tc.circuit_breaker.model_dump()
-    return RedisTier(name, layouts, {g: 0 for g in layouts}, namespace=namespace.id, **kwargs)
+    kwargs = {field: getattr(tc, field) for field in type(tc).model_fields if field not in ("type", "name", "admission")}
+    try:
+        return RedisTier(name, layouts, {g: 0 for g in layouts}, namespace=namespace.id, **kwargs)
+    except TierUnavailable as exc:
+        raise KVTierConfigError(path, f"a redis tier cannot start here: {exc}") from None

@@ -299,3 +299,67 @@ def test_the_layout_fingerprint_did_not_change() -> None:
     layout = BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")  # type: ignore[arg-type]
     assert layout.describe() == "cross_layer[L=32,kv=2,tokens=16,heads=8,dim=128] bfloat16 NHD"
     assert layout.fingerprint() == __import__("xxhash").xxh3_64_intdigest(layout.describe().encode())
+
+
+def redis_config(tmp_path: Path, **redis: Any) -> dict[str, Any]:
+    cfg = base(tmp_path)
+    cfg["tiers"].append({"type": "redis", "url": "redis://127.0.0.1:6379/0", **redis})
+    return cfg
+
+
+@pytest.mark.parametrize(("redis", "expected"), [
+    ({"url": "http://localhost"}, "tiers[2].url: Value error, expected redis://"),
+    ({"url": "redis://127.0.0.1:port/0"}, "tiers[2].url: Value error, expected redis://"),
+    ({"cluster": True, "url": "redis://127.0.0.1:7000/3"}, "tiers[2]: Value error, a Redis Cluster has only database 0"),
+    ({"cluster": True, "startup_nodes": ["127.0.0.1:7000", "nohost"]},
+     "tiers[2].startup_nodes[1]: Value error, expected host:port (got 'nohost')"),
+    ({"cluster": True, "startup_nodes": []}, "tiers[2].startup_nodes: List should have at least 1 item"),
+    ({"startup_nodes": ["127.0.0.1:7000"]}, "tiers[2]: Value error, startup_nodes is given but cluster is false"),
+    ({"compression": "zstd"}, "tiers[2].compression: Input should be 'none' or 'lz4'"),
+    ({"ttl_seconds": 0}, "tiers[2].ttl_seconds: Input should be greater than 0"),
+    ({"ttl_seconds": True}, "tiers[2].ttl_seconds: Input should be a valid number"),
+    ({"timeout": 0}, "tiers[2].timeout: Input should be greater than 0"),
+    ({"max_connections": 0}, "tiers[2].max_connections: Input should be greater than 0"),
+    ({"circuit_breaker": {"failure": 3}}, "tiers[2].circuit_breaker.failure: Extra inputs are not permitted"),
+    ({"circuit_breaker": {"failures": 0}}, "tiers[2].circuit_breaker.failures: Input should be greater than 0"),
+    ({"circuit_breaker": {"failures": True}}, "tiers[2].circuit_breaker.failures: Input should be a valid integer"),
+    ({"circuit_breaker": {"failures": 2.5}}, "tiers[2].circuit_breaker.failures: Input should be a valid integer"),
+    ({"circuit_breaker": {"cooldown_seconds": -1}},
+     "tiers[2].circuit_breaker.cooldown_seconds: Input should be greater than or equal to 0"),
+])
+def test_redis_errors_name_the_key_path(tmp_path: Path, redis: dict[str, Any], expected: str) -> None:
+    assert error_for(redis_config(tmp_path, **redis)).startswith(expected)
+
+
+def test_redis_settings_reach_the_tier_as_validated(tmp_path: Path) -> None:
+    """One validation path: the tier gets the config's values, breaker model included, unchanged."""
+    from kvtier.config import build_cache_parts
+    from kvtier.tiers.redis import CircuitBreakerConfig, RedisTier
+
+    cfg = load_config(redis_config(tmp_path, url="rediss://user:p%40ss@example.org:7001/2", ttl_seconds=1.5,
+                                   circuit_breaker={"failures": 2, "cooldown_seconds": 0}, max_connections=3))
+    _, tiers, _, _ = build_cache_parts(cfg)
+    tier = tiers[2]
+    assert isinstance(tier, RedisTier)
+    assert (tier.tls, tier.username, tier.password, tier.db, str(tier.address)) == (
+        True, "user", "p@ss", 2, "example.org:7001")
+    assert (tier.ttl_seconds, tier.max_connections) == (1.5, 3)
+    assert tier.breaker_config == CircuitBreakerConfig(failures=2, cooldown_seconds=0)
+    assert tier.breaker_config is cfg.tiers[2].circuit_breaker  # type: ignore[union-attr]
+
+    cluster = load_config(redis_config(tmp_path, url=None, cluster=True, startup_nodes=["[::1]:7000", "10.0.0.2:7001"]))
+    _, tiers, _, _ = build_cache_parts(cluster)
+    assert isinstance(tiers[2], RedisTier) and tiers[2].cluster
+    assert [str(a) for a in tiers[2].startup_nodes] == ["::1:7000", "10.0.0.2:7001"]
+
+
+def test_redis_tier_without_redis_py_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config (and a cache without a redis tier) needs no redis-py; building a redis tier names the extra."""
+    import sys
+
+    from kvtier.config import build_cache_parts
+
+    monkeypatch.setitem(sys.modules, "redis", None)  # `import redis` now raises ImportError
+    build_cache_parts(load_config(base(tmp_path)))
+    with pytest.raises(KVTierConfigError, match=r"^tiers\[2\]: .*pip install 'kvtier\[redis\]'"):
+        build_cache_parts(load_config(redis_config(tmp_path)))

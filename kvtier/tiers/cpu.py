@@ -23,6 +23,7 @@ from kvtier.blocks import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import as_rows
+from kvtier.tiers.slots import SlotAllocator
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ class _Slab:
         self.pinned = False
         if pin and num_slots:
             self.pinned = _host_register(self.tensor)
-        self.free: list[int] = list(range(num_slots - 1, -1, -1))
-        self.slot_of: dict[BlockKey, int] = {}
 
     def release(self) -> None:
         if self.pinned:
@@ -77,6 +76,7 @@ class CpuTier(Tier):
             pin = False
         self._slabs = {g: _Slab(self.capacity_bytes.get(g, 0) // layout.nbytes, layout.nbytes, pin)
                        for g, layout in self.layouts.items()}
+        self._slots = SlotAllocator({g: slab.num_slots for g, slab in self._slabs.items()})
 
     @property
     def pinned(self) -> bool:
@@ -94,14 +94,10 @@ class CpuTier(Tier):
             slots: list[int] = []
             placed: list[int] = []
             for i in idx:
-                slot = slab.slot_of.get(keys[i])
-                if slot is None:
-                    if not slab.free:
-                        continue
-                    slot = slab.free.pop()
-                    slab.slot_of[keys[i]] = slot
-                slots.append(slot)
-                placed.append(i)
+                slot = self._slots.assign(keys[i])
+                if slot is not None:
+                    slots.append(slot)
+                    placed.append(i)
             _copy_rows([blocks[i] for i in placed], slab.tensor, slots, into_slab=True)
             for i in placed:
                 ok[i] = True
@@ -115,8 +111,9 @@ class CpuTier(Tier):
         ok = [False] * len(keys)
         for group_id, idx in _by_group(keys).items():
             slab = self._slabs[group_id]
-            hits = [i for i in idx if keys[i] in slab.slot_of]
-            _copy_rows([out[i] for i in hits], slab.tensor, [slab.slot_of[keys[i]] for i in hits],
+            slots = [self._slots.slot(keys[i]) for i in idx]
+            hits = [i for i, slot in zip(idx, slots, strict=True) if slot is not None]
+            _copy_rows([out[i] for i in hits], slab.tensor, [slot for slot in slots if slot is not None],
                        into_slab=False)
             for i in hits:
                 ok[i] = True
@@ -125,29 +122,26 @@ class CpuTier(Tier):
         return ok
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        return [k in self._slabs[k.group_id].slot_of if k.group_id in self._slabs else False for k in keys]
+        return [key in self._slots for key in keys]
 
     async def delete(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
-            slab = self._slabs.get(key.group_id)
-            if slab is not None:
-                slot = slab.slot_of.pop(key, None)
-                if slot is not None:
-                    slab.free.append(slot)
+            self._slots.release(key)
 
     def keys(self) -> Iterator[BlockKey]:
-        for slab in self._slabs.values():
-            yield from list(slab.slot_of)
+        return self._slots.keys()
 
     def usage_bytes(self) -> int:
-        return sum(len(s.slot_of) * s.slot_bytes for s in self._slabs.values())
+        return sum(self._slots.used(g) * slab.slot_bytes for g, slab in self._slabs.items())
 
     def views(self, keys: Sequence[BlockKey]) -> list[torch.Tensor]:
         """Zero-copy slot views; valid until the key is deleted (the cache pins it meanwhile)."""
         views = []
         for key in keys:
-            slab = self._slabs[key.group_id]
-            views.append(slab.tensor[slab.slot_of[key]])
+            slot = self._slots.slot(key)
+            if slot is None:
+                raise KeyError(f"{key} holds no slot in CPU tier {self.name!r}")
+            views.append(self._slabs[key.group_id].tensor[slot])
         return views
 
     async def close(self) -> None:

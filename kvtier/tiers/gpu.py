@@ -33,6 +33,7 @@ from kvtier.errors import KVTierConfigError, LayoutMismatch, TierUnavailable
 from kvtier.kernels import copy_engine, cuda
 from kvtier.layout import BlockLayout, PerLayerKind, PerLayerLayout
 from kvtier.tiers.base import Tier
+from kvtier.tiers.slots import SlotAllocator
 
 #: ``kernel``: one launch of the CUDA kernels; ``copy_engine``: one cudaMemcpyAsync per contiguous run;
 #: ``auto``: by piece size against the crossover.
@@ -264,8 +265,7 @@ class GpuTier(Tier):
         self.stream = torch.cuda.Stream(self.device)
         self._slabs = {g: torch.empty((self.capacity_bytes.get(g, 0) // layout.nbytes, layout.nbytes),
                                       dtype=torch.uint8, device=self.device) for g, layout in self.layouts.items()}
-        self._free = {g: list(range(slab.shape[0] - 1, -1, -1)) for g, slab in self._slabs.items()}
-        self._slot_of: dict[int, dict[BlockKey, int]] = {g: {} for g in self._slabs}
+        self._slots = SlotAllocator({g: slab.shape[0] for g, slab in self._slabs.items()})
 
     def slots(self, group_id: int) -> int:
         return self._slabs[group_id].shape[0]
@@ -281,12 +281,9 @@ class GpuTier(Tier):
         moves: _Moves = {}
         placed: set[BlockKey] = set()
         for key, i in last.items():
-            slot = self._slot_of[key.group_id].get(key)
+            slot = self._slots.assign(key)
             if slot is None:
-                if not self._free[key.group_id]:
-                    continue
-                slot = self._free[key.group_id].pop()
-                self._slot_of[key.group_id][key] = slot
+                continue
             slots, buffers = moves.setdefault(key.group_id, ([], []))
             slots.append(slot)
             buffers.append(blocks[i])
@@ -302,7 +299,7 @@ class GpuTier(Tier):
         ok = [False] * len(keys)
         moves: _Moves = {}
         for i, key in enumerate(keys):
-            slot = self._slot_of.get(key.group_id, {}).get(key)
+            slot = self._slots.slot(key)
             if slot is not None:
                 slots, buffers = moves.setdefault(key.group_id, ([], []))
                 slots.append(slot)
@@ -377,21 +374,24 @@ class GpuTier(Tier):
         return method
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        return [key in self._slot_of.get(key.group_id, {}) for key in keys]
+        return [key in self._slots for key in keys]
 
     async def delete(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
-            slot = self._slot_of.get(key.group_id, {}).pop(key, None)
-            if slot is not None:
-                self._free[key.group_id].append(slot)
+            self._slots.release(key)
 
     def keys(self) -> Iterator[BlockKey]:
-        for slots in self._slot_of.values():
-            yield from list(slots)
+        return self._slots.keys()
 
     def usage_bytes(self) -> int:
-        return sum(len(slots) * self._slabs[g].shape[1] for g, slots in self._slot_of.items())
+        return sum(self._slots.used(g) * slab.shape[1] for g, slab in self._slabs.items())
 
     def views(self, keys: Sequence[BlockKey]) -> list[torch.Tensor]:
         """Zero-copy device slot views; valid until the key is deleted (the cache pins it meanwhile)."""
-        return [self._slabs[key.group_id][self._slot_of[key.group_id][key]] for key in keys]
+        views = []
+        for key in keys:
+            slot = self._slots.slot(key)
+            if slot is None:
+                raise KeyError(f"{key} holds no slot in GPU tier {self.name!r}")
+            views.append(self._slabs[key.group_id][slot])
+        return views

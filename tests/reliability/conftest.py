@@ -351,11 +351,7 @@ def consistency_problems(cache: TieredCache, *, disk: bool = True) -> list[str]:
             problems.append(f"{name}: tier and index differ: {len(only_tier)} only in the tier, "
                             f"{len(only_index)} only in the index")
         if isinstance(tier, CpuTier):
-            for gid, slab in tier._slabs.items():
-                slots = list(slab.slot_of.values())
-                if len(set(slots)) != len(slots) or set(slots) & set(slab.free) \
-                        or len(slots) + len(slab.free) != slab.num_slots:
-                    problems.append(f"{name}: slab of group {gid} lost or shares slots")
+            problems.extend(f"{name}: {problem}" for problem in tier._slots.problems())
         if isinstance(tier, FileTier) and disk:
             on_disk, temps = files_on_disk(tier)
             if on_disk != held:

@@ -29,7 +29,7 @@ from redis.crc import key_slot
 
 from kvtier.blocks import BlockKey
 from kvtier.codec import HEADER_SIZE
-from kvtier.errors import KVTierConfigError, LayoutMismatch
+from kvtier.errors import LayoutMismatch
 from kvtier.layout import BlockLayout
 from kvtier.tiers.redis import CircuitBreaker, CircuitBreakerConfig, RedisTier
 from tests.tiers.conftest import make_test_certificates
@@ -64,7 +64,7 @@ def sync_client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=5)
 
 
-FAST_BREAKER = {"failures": 2, "cooldown_seconds": 0.3}
+FAST_BREAKER = CircuitBreakerConfig(failures=2, cooldown_seconds=0.3)
 
 
 MakeTier = Callable[..., RedisTier]
@@ -85,28 +85,53 @@ def make_tier() -> Iterator[MakeTier]:
 
 
 # --- configuration and the breaker (no server) -----------------------------------------------------------
-def test_constructor_validates_arguments() -> None:
-    with pytest.raises(KVTierConfigError, match="namespace"):
+def test_constructor_derives_the_connection_from_validated_settings() -> None:
+    """The settings were validated by kvtier.config (tests/test_config.py); the tier only derives."""
+    with pytest.raises(ValueError, match="namespace"):
         RedisTier("r", {0: SMALL}, namespace="has space")
-    with pytest.raises(KVTierConfigError, match="namespace"):
+    with pytest.raises(ValueError, match="namespace"):
         RedisTier("r", {0: SMALL}, namespace="tag{x}")
-    with pytest.raises(KVTierConfigError, match="compression"):
-        RedisTier("r", {0: SMALL}, namespace="ns", compression="zstd")  # type: ignore[arg-type]
-    with pytest.raises(KVTierConfigError, match="circuit_breaker.failure"):
-        RedisTier("r", {0: SMALL}, namespace="ns", circuit_breaker={"failure": 3})
-    with pytest.raises(KVTierConfigError, match="url"):
-        RedisTier("r", {0: SMALL}, namespace="ns", url="http://localhost")
-    with pytest.raises(KVTierConfigError, match="url"):
-        RedisTier("r", {0: SMALL}, namespace="ns", cluster=True, url="redis://127.0.0.1:7000/3")
-    with pytest.raises(KVTierConfigError, match=r"startup_nodes\[1\]"):
-        RedisTier("r", {0: SMALL}, namespace="ns", startup_nodes=["127.0.0.1:7000", "nohost"])
-    with pytest.raises(KVTierConfigError, match="ttl_seconds"):
-        RedisTier("r", {0: SMALL}, namespace="ns", ttl_seconds=0)
     tier = RedisTier("r", {0: SMALL}, namespace="ns", url="rediss://user:p%40ss@example.org:7001/2")
     assert (tier.tls, tier.username, tier.password, tier.db, str(tier.address)) == (
         True, "user", "p@ss", 2, "example.org:7001")
     assert RedisTier("r", {0: SMALL}, namespace="ns", startup_nodes=["10.0.0.1:7000"]).cluster
     assert tier.redis_key(BlockKey(b"\x01\xab", 3)) == b"kvtier:ns:3:01ab"
+
+
+def test_tiers_never_import_the_config() -> None:
+    """kvtier.config builds tiers; a tier that imported it back would close a circle (and validate twice)."""
+    import ast
+
+    import kvtier.tiers.base
+
+    root = Path(kvtier.tiers.base.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if isinstance(node, ast.ImportFrom) and node.module == "kvtier":
+                names = [f"kvtier.{a.name}" for a in node.names]
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.startswith("kvtier.config")]
+    assert offenders == []
+
+
+def test_slot_table_from_cluster_slots_rows() -> None:
+    """CLUSTER SLOTS rows → slot owners: "" is the node that answered, "?" (address unknown) is uncovered."""
+    from kvtier.tiers.redis.cluster import SLOTS, _table
+    from kvtier.tiers.redis.protocol import Addr
+
+    asked = Addr("10.0.0.9", 7000)
+    rows = [[0, 99, [b"10.0.0.1", 7001, b"id1"], [b"10.0.0.4", 7004, b"replica"]],
+            [100, 199, [b"", 7002, b"id2"]],
+            [200, 299, ["?", 7003, "id3"]],
+            [300, SLOTS - 1, ["10.0.0.3", 7003, "id3"]]]
+    owner = _table(rows, asked)
+    assert owner[0] == owner[99] == Addr("10.0.0.1", 7001)
+    assert owner[100] == owner[199] == Addr("10.0.0.9", 7002)
+    assert owner[200] is None and owner[299] is None
+    assert owner[300] == owner[SLOTS - 1] == Addr("10.0.0.3", 7003) and len(owner) == SLOTS
+    assert Addr.parse("[::1]:7000") == Addr("::1", 7000) and Addr.parse("nohost") is None
 
 
 def test_circuit_breaker_states() -> None:
@@ -201,12 +226,15 @@ def test_wrong_layout_fingerprint_is_a_miss(redis_url: str, namespace: str, make
 
 def test_ttl_is_set(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
     with_ttl = make_tier("t", {0: SMALL}, namespace=namespace, url=redis_url, ttl_seconds=30)
+    fractional = make_tier("f", {0: SMALL}, namespace=namespace, url=redis_url, ttl_seconds=1.5)
     without = make_tier("n", {0: SMALL}, namespace=namespace, url=redis_url)
-    ttl_keys, plain_keys = keys_for(2), keys_for(2)
+    ttl_keys, short_keys, plain_keys = keys_for(2), keys_for(2), keys_for(2)
     asyncio.run(with_ttl.put(ttl_keys, kv_like(SMALL, 2)))
+    asyncio.run(fractional.put(short_keys, kv_like(SMALL, 2)))
     asyncio.run(without.put(plain_keys, kv_like(SMALL, 2)))
     client = sync_client(redis_url)
     assert all(0 < client.pttl(with_ttl.redis_key(k)) <= 30_000 for k in ttl_keys)
+    assert all(1_000 < client.pttl(fractional.redis_key(k)) <= 1_500 for k in short_keys)  # PX, not whole seconds
     assert all(client.pttl(without.redis_key(k)) == -1 for k in plain_keys)
     client.close()
 
@@ -262,7 +290,7 @@ def test_circuit_breaker_answers_fast_and_recovers(redis_server_factory, make_ti
 
     asyncio.run(failing())
     server.start()
-    time.sleep(FAST_BREAKER["cooldown_seconds"])
+    time.sleep(FAST_BREAKER.cooldown_seconds)
 
     async def recovered() -> None:
         assert await tier.put(keys, blocks) == [True] * 32  # the probe, then closed
@@ -288,7 +316,7 @@ def test_server_crash_and_restart(redis_server_factory, make_tier: MakeTier) -> 
         assert await tier.put(keys, blocks) == [False] * 16
         assert tier.counters.errors.get("connection", 0) >= 2
         server.start()
-        await asyncio.sleep(FAST_BREAKER["cooldown_seconds"])
+        await asyncio.sleep(FAST_BREAKER.cooldown_seconds)
         # The server came back empty (no persistence): blocks miss, the tier works again by itself.
         assert await tier.get(keys, empty_like_blocks(SMALL, 16)) == [False] * 16
         assert await tier.put(keys, blocks) == [True] * 16
@@ -319,7 +347,7 @@ def test_hung_server_times_out_and_recovers(redis_server_factory, make_tier: Mak
             assert tier.counters.errors["circuit_open"] == 16
         finally:
             server.process.send_signal(signal.SIGCONT)
-        await asyncio.sleep(FAST_BREAKER["cooldown_seconds"])
+        await asyncio.sleep(FAST_BREAKER.cooldown_seconds)
         out = empty_like_blocks(SMALL, 16)
         assert await tier.get(keys, out) == [True] * 16
         assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
@@ -360,7 +388,7 @@ def test_tls_round_trip(redis_server_factory, tmp_path: Path, make_tier: MakeTie
     server.start(wait=False)  # the plain-text readiness check cannot talk TLS: the first put waits instead
     deadline = time.monotonic() + 10
     tier = make_tier("tls", {0: SMALL, 1: LARGE}, namespace="tls", url=f"rediss://127.0.0.1:{server.port}/0",
-                     tls_ca_file=str(ca), circuit_breaker={"failures": 100, "cooldown_seconds": 0})
+                     tls_ca_file=str(ca), circuit_breaker=CircuitBreakerConfig(failures=100, cooldown_seconds=0))
     keys, blocks = keys_for(4) + keys_for(2, group=1), kv_like(SMALL, 4) + kv_like(LARGE, 2)
     out = empty_like_blocks(SMALL, 4) + empty_like_blocks(LARGE, 2)
     while not asyncio.run(tier.put(keys, blocks))[0]:
@@ -445,6 +473,68 @@ def test_cluster_follows_moved_slots(redis_cluster, make_tier: MakeTier) -> None
         await tier.close()
 
     asyncio.run(scenario())
+
+
+def test_cluster_follows_ask_during_a_slot_migration(private_redis_cluster, make_tier: MakeTier) -> None:
+    """Mid-migration, keys already moved answer ASK at the source; each is read, written, checked and
+    deleted at the target behind ASKING, and the slot map stays as it is until the migration ends."""
+    handle = private_redis_cluster
+    tier = make_tier("c", {0: SMALL}, namespace="ask", startup_nodes=handle.startup_nodes[:1])
+    candidates = keys_for(60)
+    owner = _node_of(handle, tier, candidates)
+    source, target = 0, 1
+    keys = [k for k, o in zip(candidates, owner, strict=True) if o == source][:8]
+    assert len(keys) >= 4
+    moved, staying = keys[: len(keys) // 2], keys[len(keys) // 2:]
+    blocks = kv_like(SMALL, len(keys))
+    nodes = [redis.Redis(host="127.0.0.1", port=n.port, socket_timeout=5) for n in handle.nodes]
+    ids = [i.decode() if isinstance(i, bytes) else i for i in (n.execute_command("CLUSTER MYID") for n in nodes)]
+    slots = sorted({key_slot(tier.redis_key(k)) for k in keys})
+
+    async def scenario() -> None:
+        assert await tier.put(keys, blocks) == [True] * len(keys)  # the tier now holds the slot map
+        for slot in slots:  # start migrating: the source answers ASK for keys it no longer holds
+            nodes[target].execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
+            nodes[source].execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[target])
+        for key in moved:
+            nodes[source].execute_command("MIGRATE", "127.0.0.1", handle.nodes[target].port, tier.redis_key(key),
+                                          0, 5000)
+
+        out = empty_like_blocks(SMALL, len(keys))
+        assert await tier.get(keys, out) == [True] * len(keys)
+        assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+        assert tier.counters.errors == {"ask": len(moved)}
+        assert await tier.contains(keys) == [True] * len(keys)
+        assert tier.counters.errors == {"ask": 2 * len(moved)}
+
+        fresh = kv_like(SMALL, 2, seed=7)  # overwrite a moved key (at the target) and a staying one
+        assert await tier.put([moved[0], staying[0]], fresh) == [True, True]
+        again = empty_like_blocks(SMALL, 2)
+        assert await tier.get([moved[0], staying[0]], again) == [True, True]
+        assert torch.equal(again[0], fresh[0]) and torch.equal(again[1], fresh[1])
+        await tier.delete([moved[1]])
+        assert await tier.get([moved[1]], empty_like_blocks(SMALL, 1)) == [False]
+        assert set(tier.counters.errors) == {"ask"}  # no MOVED, no topology error: the map was right
+
+        for slot in slots:  # finish the migration: now the slots have a new owner, MOVED from here on
+            while rest := nodes[source].execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+                nodes[source].execute_command("MIGRATE", "127.0.0.1", handle.nodes[target].port, "", 0, 5000,
+                                              "KEYS", *rest)
+            for node in nodes:
+                node.execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
+        asks = tier.counters.errors["ask"]
+        out = empty_like_blocks(SMALL, len(staying))
+        assert await tier.get(staying, out) == [True] * len(staying)
+        assert torch.equal(out[0], fresh[1]) and all(torch.equal(a, b) for a, b in
+                                                     zip(blocks[len(moved) + 1:], out[1:], strict=True))
+        assert tier.counters.errors == {"ask": asks, "moved": len(staying)}
+        await tier.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for node in nodes:
+            node.close()
 
 
 def test_cluster_node_dies(private_redis_cluster, make_tier: MakeTier) -> None:
