@@ -113,19 +113,19 @@ def run_replay(args: argparse.Namespace) -> int:
         try:
             check_plot_target(args.plot)
         except (MissingExtra, ValueError) as exc:
-            err.print(f"[red]--plot[/red] {escape(str(exc))}")
+            err.print(f"[red]--plot[/red] {escape(str(exc))}", soft_wrap=True)
             return 2
     for name in args.policy:
         if name not in EVICTION_POLICIES and name not in ("default", MIN_POLICY):
-            err.print(f"[red]unknown policy[/red] {escape(repr(name))}; known: {', '.join(sorted(EVICTION_POLICIES))}, default")
+            err.print(f"[red]unknown policy[/red] {escape(repr(name))}; known: {', '.join(sorted(EVICTION_POLICIES))}, default", soft_wrap=True)
             return 2
     try:
         trace = read_trace(args.trace, format=args.format, block_tokens=args.block_tokens, limit=args.limit)
     except (TraceFormatError, ValueError) as exc:
-        err.print(f"[red]bad trace[/red] {escape(str(exc))}")
+        err.print(f"[red]bad trace[/red] {escape(str(exc))}", soft_wrap=True)
         return 2
     if not trace.requests:
-        err.print(f"[red]bad trace[/red] {escape(args.trace)}: no requests")
+        err.print(f"[red]bad trace[/red] {escape(args.trace)}: no requests", soft_wrap=True)
         return 2
     try:
         specs = args.capacity if args.capacity is not None else ([] if args.tiers else DEFAULT_CAPACITIES)
@@ -138,7 +138,7 @@ def run_replay(args: argparse.Namespace) -> int:
         for tiers in tier_sets:
             placement(len(tiers))  # validate now, not after an hour of replay
     except (ValueError, KVTierConfigError) as exc:
-        err.print(f"[red]bad arguments[/red] {escape(str(exc))}")
+        err.print(f"[red]bad arguments[/red] {escape(str(exc))}", soft_wrap=True)
         return 2
 
     runs = plan_runs(args.policy, capacities, tier_sets, with_min=not args.no_min)
