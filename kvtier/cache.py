@@ -539,13 +539,8 @@ class AsyncTieredCache:
             tier.counters.error(type(exc).__name__)
             log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
             return [False] * len(keys)
-        elapsed = time.perf_counter() - start
-        self._activity[t].observe(op, elapsed)
-        if op == "get":
-            tier.counters.read_seconds += elapsed
-        elif op == "put":
-            tier.counters.write_seconds += elapsed
-        return result
+        self._activity[t].observe(op, time.perf_counter() - start)
+        return result  # the tier counts its own bytes and seconds (TierCounters): one owner per counter
 
     async def _safe_delete(self, t: int, keys: list[BlockKey]) -> None:
         tier = self.tiers[t]

@@ -31,7 +31,12 @@ log = logging.getLogger("kvtier.tiers")
 
 @dataclass
 class TierCounters:
-    """Raw counters a tier keeps about its own I/O; the cache adds hits/misses on top."""
+    """Raw counters a tier keeps about its own I/O; the cache adds hits/misses on top.
+
+    The tier is the only writer of these (the cache times its calls for the latency histograms
+    only), so ``bytes / seconds`` is the tier's real throughput; the one exception is
+    :meth:`kvtier.cache.AsyncTieredCache.read_leased`, whose memory copies bypass the tier.
+    """
 
     blocks_written: int = 0
     blocks_read: int = 0
