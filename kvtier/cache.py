@@ -640,6 +640,9 @@ class TieredCache:
         self.core.add_watcher(watcher)
 
     def stats(self) -> CacheStats:
+        """A snapshot of the counters; still answers after :meth:`close` (the final figures)."""
+        if self._closed:
+            return self.core.stats()
         return self._call(self._snapshot())
 
     async def _snapshot(self) -> CacheStats:

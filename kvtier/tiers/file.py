@@ -69,6 +69,7 @@ from kvtier.codec import (
 )
 from kvtier.errors import CorruptBlock, KVTierConfigError, LayoutMismatch, TierUnavailable
 from kvtier.layout import BlockLayout
+from kvtier.logs import LogLimiter
 from kvtier.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ class FileTier(Tier):
         self._max_file_size = {gid: PAGE + _round_up(lz4_bound(layout.nbytes)) for gid, layout in self.layouts.items()}
         self._body_bytes = max((size - PAGE for size in self._max_file_size.values()), default=PAGE)
         self._local = threading.local()
+        self._corrupt_log = LogLimiter(log, f"corrupt blocks dropped by file tier {name!r}")
         self._lock = threading.Lock()  # orders index updates with the rename/unlink they describe
         self._index: dict[BlockKey, int] = {}
         self._blocks_per_group = dict.fromkeys(self.layouts, 0)
@@ -292,6 +294,7 @@ class FileTier(Tier):
     async def close(self) -> None:
         """Wait for in-flight I/O on a helper thread, then stop the I/O threads."""
         await asyncio.to_thread(self._executor.shutdown, True)
+        self._corrupt_log.flush()
 
     # --- paths and directories ---------------------------------------------------------------------
     def path_of(self, key: BlockKey) -> Path:
@@ -506,7 +509,7 @@ class FileTier(Tier):
                 self._index_pop(key)
             return _Outcome("missing")
         except CorruptBlock as exc:
-            log.warning("file tier %r: dropping corrupt block %s (%s): %s", self.name, key, path, exc)
+            self._corrupt_log.log("file tier %r: dropping corrupt block %s (%s): %s", self.name, key, path, exc)
             self._unlink_indexed(key, path)
             return _Outcome("corrupt")
         except OSError as exc:

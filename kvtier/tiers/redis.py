@@ -86,6 +86,7 @@ from kvtier.codec import (
 from kvtier.config import redact_url
 from kvtier.errors import CorruptBlock, KVTierConfigError, LayoutMismatch
 from kvtier.layout import BlockLayout
+from kvtier.logs import LogLimiter
 from kvtier.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -515,7 +516,7 @@ class _SetOp(_Op):
 class _GetOp(_Op):
     """GET into the caller's buffer: the header into a small buffer, a raw payload straight into ``out``."""
 
-    __slots__ = ("out", "fingerprint", "itemsize", "header_buf", "value_bytes")
+    __slots__ = ("out", "fingerprint", "itemsize", "header_buf", "value_bytes", "why")
     large = True
 
     def __init__(self, index: int, key: BlockKey, rkey: bytes, out: np.ndarray, fingerprint: int,
@@ -526,6 +527,7 @@ class _GetOp(_Op):
         self.itemsize = itemsize
         self.header_buf = bytearray(HEADER_SIZE)
         self.value_bytes = 0
+        self.why = ""
 
     def send(self, conn: _Connection) -> None:
         conn.send((_command(b"GET", self.rkey),))
@@ -564,7 +566,7 @@ class _GetOp(_Op):
         self.ok = True
 
     def _corrupt(self, why: str) -> None:
-        log.debug("redis value of %s is invalid: %s", self.key, why)
+        self.why = why  # logged by the event loop, rate-limited
         self.error = "corrupt"
 
 
@@ -720,6 +722,7 @@ class RedisTier(Tier):
         self.max_connections = max_connections
         self.breaker_config = CircuitBreakerConfig.from_mapping(circuit_breaker)
         self._open_nodes: set[object] = set()
+        self._corrupt_log = LogLimiter(log, f"invalid values dropped by redis tier {name!r}")
 
         parsed = urlsplit(url or DEFAULT_URL)
         if parsed.scheme not in ("redis", "rediss"):
@@ -817,9 +820,12 @@ class RedisTier(Tier):
                 self.counters.blocks_read += 1
                 self.counters.bytes_read += op.value_bytes
         self.counters.read_seconds += time.perf_counter() - start
-        corrupt = [op.key for op in ops if op.error == "corrupt"]
+        corrupt = [op for op in ops if op.error == "corrupt"]
+        for op in corrupt:
+            self._corrupt_log.log("redis tier %r: dropping invalid value of %s: %s", self.name, op.key,
+                                  op.why)
         if corrupt:
-            await self.delete(corrupt)
+            await self.delete([op.key for op in corrupt])
         return [op.ok for op in ops]
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -861,6 +867,7 @@ class RedisTier(Tier):
             await asyncio.to_thread(executor.shutdown, True)
         for pool in self._pools.values():  # connections returned by streams that were finishing
             pool.drop_idle()
+        self._corrupt_log.flush()
         client, self._cluster_client = self._cluster_client, None
         if client is not None and self._cluster_loop is asyncio.get_running_loop():
             with contextlib.suppress(Exception):

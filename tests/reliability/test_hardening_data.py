@@ -8,17 +8,22 @@ read/write seconds counted twice, and one warning line per corrupt block.
 
 from __future__ import annotations
 
+import logging
+import random
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from kvtier import TieredCache
+from kvtier.logs import LogLimiter
 from tests.reliability.conftest import (
     BLOCK,
     blocks_for,
     cache_config,
+    corrupt_file,
     redis_options,
     tier_stats,
     universe,
@@ -77,3 +82,94 @@ def test_cpu_tier_counts_its_own_seconds(tmp_path: Path) -> None:
     with TieredCache.from_config(cfg) as cache:
         store_wall, load_wall, stats = _timed_round_trip(cache, "cpu", n)
     _assert_seconds_not_doubled(stats, store_wall, load_wall, n)
+
+
+# --- 14: one warning per corrupt block flooded logs -----------------------------------------------------------
+def _file_only(tmp_path: Path, blocks: int) -> dict[str, Any]:
+    cfg = cache_config(file_dir=tmp_path / "files", cpu_blocks=1, file_blocks=blocks)
+    cfg["tiers"] = cfg["tiers"][1:]
+    cfg["placement"]["promote_on_hit"] = False
+    return cfg
+
+
+def test_corrupt_block_warnings_are_rate_limited_with_a_count(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Before: 40 damaged blocks, 40 warning lines. After: 5 lines, then one summary with the count."""
+    n = 40
+    keys = universe(n, tag="flood")
+    rng = random.Random(1)
+    with TieredCache.from_config(_file_only(tmp_path, n)) as cache:
+        assert cache.store(keys, blocks_for(keys)) == n
+        tier = cache.core.tiers[0]
+        for key in keys:
+            assert corrupt_file(tier.path_of(key), "flip_payload", key, rng, tier._fingerprints[0])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            out = torch.empty_like(blocks_for(keys[:1]))
+            for key in keys:
+                assert cache.load([key], out) == 0
+            during = [r.getMessage() for r in caplog.records]
+            caplog.clear()
+            cache.close()
+            at_close = [r.getMessage() for r in caplog.records]
+        assert tier_stats(cache, "file").errors == {"corrupt": n}
+    assert len(during) == 5, during
+    assert all("dropping corrupt block" in line for line in during)
+    assert "further corrupt blocks dropped by file tier 'file' are counted" in during[-1]
+    assert [line for line in at_close if "more corrupt blocks" in line] == [
+        next(line for line in at_close if line.startswith(f"{n - 5} more corrupt blocks dropped by file tier"))]
+
+
+def test_damaged_redis_values_warn_rate_limited(redis_servers: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis values that fail validation are now warned about (they were debug-only), at most 5 lines a minute."""
+    import redis
+
+    server = redis_servers()
+    n = 12
+    keys = universe(n, tag="flood-redis")
+    cfg = cache_config(cpu_blocks=1, redis=redis_options(server.url, timeout=2.0, connect_timeout=1.0))
+    cfg["tiers"] = cfg["tiers"][1:]
+    cfg["placement"]["promote_on_hit"] = False
+    client = redis.Redis.from_url(server.url)
+    with TieredCache.from_config(cfg) as cache:
+        assert cache.store(keys, blocks_for(keys)) == n
+        tier = cache.core.tiers[0]
+        for key in keys:
+            value = bytearray(client.get(tier.redis_key(key)))
+            value[-1] ^= 0xFF
+            client.set(tier.redis_key(key), bytes(value))
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            out = torch.empty_like(blocks_for(keys[:1]))
+            for key in keys:
+                assert cache.load([key], out) == 0
+        lines = [r.getMessage() for r in caplog.records if "invalid value" in r.getMessage()]
+        assert client.exists(*[tier.redis_key(k) for k in keys]) == 0  # dropped
+    client.close()
+    assert len(lines) == 5 and "checksum mismatch" in lines[0], lines
+
+
+def test_log_limiter_summarises_each_interval() -> None:
+    now = [0.0]
+    logger = logging.getLogger("kvtier.test.limiter")
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        limiter = LogLimiter(logger, "bad things", burst=2, interval=10.0, clock=lambda: now[0])
+        for i in range(7):
+            limiter.log("bad thing %d", i)
+        assert records == ["bad thing 0", "bad thing 1 (further bad things are counted, not logged, for 10 s)"]
+        now[0] = 12.0
+        limiter.log("bad thing %d", 7)
+        assert records[2:] == ["5 more bad things in the last 12 s (not logged one by one)", "bad thing 7"]
+        limiter.flush()
+        assert len(records) == 4 and limiter.total_suppressed == 5
+        with pytest.raises(ValueError, match="burst"):
+            LogLimiter(logger, "x", burst=0)
+    finally:
+        logger.removeHandler(handler)
