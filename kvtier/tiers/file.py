@@ -485,7 +485,7 @@ class FileTier(Tier):
                 target = scratch.body[:file_size - PAGE]
             else:
                 raise CorruptBlock(f"indexed file size {file_size} exceeds any block of group {key.group_id}")
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            fd = _open_block(path, os.O_DIRECT if direct else 0)
             try:
                 got = _read_all(fd, [scratch.read_page, target.data], 0)
             finally:
@@ -627,7 +627,7 @@ class FileTier(Tier):
         if size % PAGE or not 2 * PAGE <= size <= self._max_file_size[key.group_id]:
             return False
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = _open_block(path)
             try:
                 page = os.pread(fd, PAGE, 0)
             finally:
@@ -667,6 +667,29 @@ class FileTier(Tier):
             if capacity is not None and used > capacity:
                 log.debug("file tier %r: group %d holds %d bytes, over its capacity of %d (the cache evicts)",
                           self.name, gid, used, capacity)
+
+
+def _open_block(path: str, flags: int = 0) -> int:
+    """Open a block file for reading, refusing anything but a regular file without blocking.
+
+    ``O_NOFOLLOW`` refuses a symbolic link and ``O_NONBLOCK`` makes opening a FIFO (or a device)
+    return at once instead of waiting for a writer forever; ``fstat`` then refuses whatever is not a
+    regular file. Both refusals are :class:`CorruptBlock` (a miss; the entry is removed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptBlock(f"{path} is a symbolic link, not a block file") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CorruptBlock(f"{path} is not a regular file (mode {stat.filemode(mode)})")
+    return fd
 
 
 def _stale_tmp(entry: os.DirEntry[str]) -> bool:

@@ -8,8 +8,12 @@ read/write seconds counted twice, and one warning line per corrupt block.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import logging
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,10 @@ from tests.reliability.conftest import (
     tier_stats,
     universe,
 )
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 # --- 13: one owner per I/O counter --------------------------------------------------------------------------
@@ -173,3 +181,68 @@ def test_log_limiter_summarises_each_interval() -> None:
             LogLimiter(logger, "x", burst=0)
     finally:
         logger.removeHandler(handler)
+
+
+# --- 2: a FIFO at a block path hung the file tier -------------------------------------------------------------
+def _release_reader(fifo: Path) -> None:
+    """Unblock a reader stuck in ``open`` of ``fifo`` (so a failing run ends instead of hanging)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink_to_fifo", "symlink_to_block", "directory"])
+def test_a_non_regular_file_at_a_block_path_is_a_miss_not_a_hang(tmp_path: Path, kind: str) -> None:
+    """Before: a load opened the FIFO with a blocking ``open`` and waited forever (so did ``close()``)."""
+    keys = universe(3, tag=f"fifo-{kind}")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    fifo = outside / "pipe"
+    os.mkfifo(fifo)
+    with TieredCache.from_config(_file_only(tmp_path, 8)) as cache:
+        assert cache.store(keys, blocks_for(keys)) == 3
+        tier = cache.core.tiers[0]
+        path = tier.path_of(keys[0])
+        shutil.copy(path, outside / "copy.kvb")
+        os.unlink(path)
+        if kind == "fifo":
+            os.mkfifo(path)
+            target = path
+        elif kind == "symlink_to_fifo":
+            os.symlink(fifo, path)
+            target = fifo
+        elif kind == "symlink_to_block":  # a valid block of the same key, reached through a link
+            os.symlink(outside / "copy.kvb", path)
+            target = path
+        else:
+            os.mkdir(path)
+            target = path
+        out = torch.empty_like(blocks_for(keys))
+        future = cache.submit_load(keys, out)
+        try:
+            loaded = future.result(timeout=10)
+        except concurrent.futures.TimeoutError:
+            _release_reader(target)
+            pytest.fail(f"a load with a {kind} at a block path did not return within 10 s")
+        assert loaded == 0  # the first key is a miss, so the prefix is empty
+        assert tier_stats(cache, "file").errors.get("corrupt") == 1
+        if kind != "directory":
+            assert not os.path.lexists(path), "the bad entry stays in place"
+        assert fifo.exists()  # a link's target outside the tier is never touched
+        assert cache.load(keys[1:], out[1:]) == 2  # the other blocks still load, bit-exact
+        assert _same_bytes(out[1:], blocks_for(keys[1:]))
+        assert cache.store(keys[:1], blocks_for(keys[:1])) == (0 if kind == "directory" else 1)
+
+
+def test_restart_ignores_a_fifo_at_a_block_path(tmp_path: Path) -> None:
+    """The start-up scan never opens what is not a regular file (it did not before either: kept so)."""
+    keys = universe(2, tag="fifo-restart")
+    cfg = _file_only(tmp_path, 8)
+    with TieredCache.from_config(cfg) as cache:
+        assert cache.store(keys, blocks_for(keys)) == 2
+        path = cache.core.tiers[0].path_of(keys[0])
+    os.unlink(path)
+    os.mkfifo(path)
+    with TieredCache.from_config(cfg) as cache:
+        assert cache.lookup(keys[1:]) == 1 and cache.lookup(keys[:1]) == 0
+    assert not os.path.lexists(path)
