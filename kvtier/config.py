@@ -430,7 +430,7 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
         try:
             return FileTier(name, layouts, split_capacity(tc.capacity, spec), root=root, namespace=namespace.id,
                             compression=tc.compression, direct_io=tc.direct_io, io_threads=tc.io_threads,
-                            fsync=tc.fsync)
+                            fsync=tc.fsync, namespace_fp=namespace.fingerprint)
         except KVTierConfigError as exc:  # e.g. a directory another user controls: keyed by this tier
             raise KVTierConfigError(f"{path}.{exc.path}", str(exc).removeprefix(f"{exc.path}: ")) from None
         except (OSError, TierUnavailable) as exc:
@@ -439,4 +439,5 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
 
     kwargs = tc.model_dump(exclude={"type", "name", "admission"})
     kwargs["circuit_breaker"] = tc.circuit_breaker.model_dump()
-    return RedisTier(name, layouts, {g: 0 for g in layouts}, namespace=namespace.id, **kwargs)
+    return RedisTier(name, layouts, {g: 0 for g in layouts}, namespace=namespace.id,
+                     namespace_fp=namespace.fingerprint, **kwargs)

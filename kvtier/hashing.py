@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvtier.codec import namespace_fingerprint
+
 #: Bytes of a kvtier-made block hash (xxh3-128).
 HASH_BYTES = 16
 
@@ -33,6 +35,11 @@ class Namespace:
         """16 hex digits, stable across processes and machines."""
         text = f"{self.model}|{self.dtype}|{self.layout_fingerprint:016x}|{self.tp_rank}/{self.tp_size}"
         return xxhash.xxh3_64_hexdigest(text.encode())
+
+    @property
+    def fingerprint(self) -> int:
+        """64 bits every stored block's header carries (:mod:`kvtier.codec`); checked on every read."""
+        return namespace_fingerprint(self.id)
 
     @property
     def salt(self) -> bytes:

@@ -33,7 +33,10 @@ are re-measured by ``benchmarks/bench_tiers.py``):
 
 Failure behaviour (see :mod:`kvtier.tiers.base`): an I/O fault on put is a ``False`` for that block (its
 temporary file and any older version removed, counted as ``enospc`` or ``io``); a missing file is a
-miss (``missing``); a corrupt or truncated file is a miss and is deleted (``corrupt``); an I/O fault on
+miss (``missing``); a corrupt or truncated file, a block of another namespace (another model or TP
+rank: the header carries the namespace fingerprint) and anything but a regular file (a FIFO, a symbolic
+link, a directory: opened with ``O_NOFOLLOW | O_NONBLOCK``, so never waited on) are misses and are
+removed (``corrupt``); an I/O fault on
 read is a miss that keeps the file for a later retry (``io``). Only programming errors raise.
 """
 
@@ -65,6 +68,7 @@ from kvtier.codec import (
     decode_payload_into,
     encode_block,
     lz4_bound,
+    namespace_fingerprint,
     verify_payload,
 )
 from kvtier.errors import CorruptBlock, KVTierConfigError, LayoutMismatch, TierUnavailable
@@ -172,7 +176,8 @@ class FileTier(Tier):
 
     def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int], *,
                  root: str | Path, namespace: str, compression: Compression = "none", direct_io: bool = True,
-                 direct_reads: bool = False, io_threads: int = 4, fsync: bool = False) -> None:
+                 direct_reads: bool = False, io_threads: int = 4, fsync: bool = False,
+                 namespace_fp: int | None = None) -> None:
         super().__init__(name, layouts, capacity_bytes)
         if compression not in ("none", "lz4"):
             raise KVTierConfigError("compression", f"must be 'none' or 'lz4', got {compression!r}")
@@ -189,6 +194,8 @@ class FileTier(Tier):
         self.fsync = fsync
         self._direct = direct_io
         self._fingerprints = {gid: layout.fingerprint() for gid, layout in self.layouts.items()}
+        #: written into every header and checked on every read: a block of another namespace is corrupt
+        self.namespace_fp = namespace_fingerprint(namespace) if namespace_fp is None else namespace_fp
         self._itemsize = {gid: layout.itemsize for gid, layout in self.layouts.items()}
         self._raw_file_size = {gid: PAGE + _round_up(layout.nbytes) for gid, layout in self.layouts.items()}
         self._max_file_size = {gid: PAGE + _round_up(lz4_bound(layout.nbytes)) for gid, layout in self.layouts.items()}
@@ -395,7 +402,7 @@ class FileTier(Tier):
         final = f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
         tmp = f"{shard}/.{hex_hash}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
-            header, payload = encode_block(key, self._fingerprints[key.group_id], raw,
+            header, payload = encode_block(key, self._fingerprints[key.group_id], raw, namespace_fp=self.namespace_fp,
                                            compress=self.compression == "lz4",
                                            shuffle_itemsize=self._itemsize[key.group_id])
             file_size = PAGE + _round_up(payload.nbytes)
@@ -493,7 +500,8 @@ class FileTier(Tier):
             if got < PAGE:
                 raise CorruptBlock(f"truncated header page ({got} bytes)")
             header = decode_header(scratch.read_page, expected_key=key,
-                                   expected_layout=self._fingerprints[key.group_id], expected_raw_len=nbytes)
+                                   expected_layout=self._fingerprints[key.group_id], expected_raw_len=nbytes,
+                                   expected_namespace=self.namespace_fp)
             if file_size != PAGE + _round_up(header.payload_len) or got < PAGE + header.payload_len:
                 raise CorruptBlock(f"{got} bytes read of a {file_size}-byte file, payload is {header.payload_len} bytes")
             payload = target[:header.payload_len]
@@ -633,7 +641,8 @@ class FileTier(Tier):
             finally:
                 os.close(fd)
             header = decode_header(page, expected_key=key, expected_layout=self._fingerprints[key.group_id],
-                                   expected_raw_len=self.layouts[key.group_id].nbytes)
+                                   expected_raw_len=self.layouts[key.group_id].nbytes,
+                                   expected_namespace=self.namespace_fp)
         except (OSError, CorruptBlock) as exc:
             log.debug("file tier %r: removing %s: %s", self.name, path, exc)
             return False

@@ -44,7 +44,7 @@ cluster node or an error reply turns the affected blocks into misses (``get``, `
 stops trying a failing node for a cool-down, so a dead server costs nothing per batch; the first
 batch after the cool-down probes it, and the tier recovers by itself. A pooled connection that went
 stale (server restarted) is replaced and its requests retried once. A value that fails validation
-(checksum, key, layout, length) is a miss and is deleted.
+(checksum, key, layout, namespace, length) is a miss and is deleted.
 
 Threads: the coroutines run on the caller's event loop; only the I/O threads touch sockets and only
 the event loop touches counters, breakers and the topology. The cluster client belongs to the loop
@@ -81,6 +81,7 @@ from kvtier.codec import (
     decode_header,
     decode_payload_into,
     encode_block,
+    namespace_fingerprint,
     verify_payload,
 )
 from kvtier.config import redact_url
@@ -488,21 +489,23 @@ class _UnlinkOp(_Op):
 class _SetOp(_Op):
     """SET of ``header ‖ payload``; the value is encoded (checksum, lz4) on the I/O thread."""
 
-    __slots__ = ("raw", "fingerprint", "itemsize", "compress", "ttl_args", "value_bytes")
+    __slots__ = ("raw", "fingerprint", "namespace_fp", "itemsize", "compress", "ttl_args", "value_bytes")
     large = True
 
     def __init__(self, index: int, key: BlockKey, rkey: bytes, raw: np.ndarray, fingerprint: int, itemsize: int,
-                 compress: bool, ttl_args: bytes) -> None:
+                 compress: bool, ttl_args: bytes, namespace_fp: int) -> None:
         super().__init__(index, key, rkey)
         self.raw = raw
         self.fingerprint = fingerprint
+        self.namespace_fp = namespace_fp
         self.itemsize = itemsize
         self.compress = compress
         self.ttl_args = ttl_args
         self.value_bytes = 0
 
     def send(self, conn: _Connection) -> None:
-        header, payload = encode_block(self.key, self.fingerprint, self.raw, compress=self.compress,
+        header, payload = encode_block(self.key, self.fingerprint, self.raw, namespace_fp=self.namespace_fp,
+                                       compress=self.compress,
                                        shuffle_itemsize=self.itemsize)
         self.value_bytes = HEADER_SIZE + payload.nbytes
         nargs = 5 if self.ttl_args else 3
@@ -516,14 +519,15 @@ class _SetOp(_Op):
 class _GetOp(_Op):
     """GET into the caller's buffer: the header into a small buffer, a raw payload straight into ``out``."""
 
-    __slots__ = ("out", "fingerprint", "itemsize", "header_buf", "value_bytes", "why")
+    __slots__ = ("out", "fingerprint", "namespace_fp", "itemsize", "header_buf", "value_bytes", "why")
     large = True
 
     def __init__(self, index: int, key: BlockKey, rkey: bytes, out: np.ndarray, fingerprint: int,
-                 itemsize: int) -> None:
+                 itemsize: int, namespace_fp: int) -> None:
         super().__init__(index, key, rkey)
         self.out = out
         self.fingerprint = fingerprint
+        self.namespace_fp = namespace_fp
         self.itemsize = itemsize
         self.header_buf = bytearray(HEADER_SIZE)
         self.value_bytes = 0
@@ -544,7 +548,7 @@ class _GetOp(_Op):
         conn.read_into(memoryview(self.header_buf))
         try:
             header = decode_header(self.header_buf, expected_key=self.key, expected_layout=self.fingerprint,
-                                   expected_raw_len=self.out.nbytes)
+                                   expected_raw_len=self.out.nbytes, expected_namespace=self.namespace_fp)
             if HEADER_SIZE + header.payload_len != size:
                 raise CorruptBlock(f"value of {size} bytes, header says {HEADER_SIZE + header.payload_len}")
         except CorruptBlock as exc:
@@ -699,7 +703,8 @@ class RedisTier(Tier):
                  password: str | None = None, tls_ca_file: str | None = None, ttl_seconds: float | None = None,
                  compression: Compression = "none", connect_timeout: float = 1.0, timeout: float = 2.0,
                  max_connections: int = 16,
-                 circuit_breaker: Mapping[str, Any] | CircuitBreakerConfig | None = None) -> None:
+                 circuit_breaker: Mapping[str, Any] | CircuitBreakerConfig | None = None,
+                 namespace_fp: int | None = None) -> None:
         super().__init__(name, layouts, capacity_bytes if capacity_bytes is not None else dict.fromkeys(layouts, 0))
         if not namespace or set(namespace) & _FORBIDDEN_IN_NAMESPACE or not namespace.isprintable():
             raise KVTierConfigError("namespace", f"{namespace!r} must be non-empty printable text without "
@@ -715,6 +720,8 @@ class RedisTier(Tier):
                                         or ttl_seconds <= 0):
             raise KVTierConfigError("ttl_seconds", f"must be a positive number of seconds or null, got {ttl_seconds!r}")
         self.namespace = namespace
+        #: written into every value's header and checked on every read (another namespace's value is corrupt)
+        self.namespace_fp = namespace_fingerprint(namespace) if namespace_fp is None else namespace_fp
         self.compression: Compression = compression
         self.ttl_seconds = ttl_seconds
         self.connect_timeout = float(connect_timeout)
@@ -788,7 +795,8 @@ class RedisTier(Tier):
         start = time.perf_counter()
         compress = self.compression == "lz4"
         ops = [_SetOp(i, key, self.redis_key(key), arrays[i], self._fingerprints[key.group_id],
-                      self._itemsizes[key.group_id], compress, self._ttl_args) for key, i in last.items()]
+                      self._itemsizes[key.group_id], compress, self._ttl_args, self.namespace_fp)
+               for key, i in last.items()]
         await self._execute(ops)
         for op in ops:
             if op.ok:
@@ -813,7 +821,7 @@ class RedisTier(Tier):
             return []
         start = time.perf_counter()
         ops = [_GetOp(i, key, self.redis_key(key), arrays[i], self._fingerprints[key.group_id],
-                      self._itemsizes[key.group_id]) for i, key in enumerate(keys)]
+                      self._itemsizes[key.group_id], self.namespace_fp) for i, key in enumerate(keys)]
         await self._execute(ops)
         for op in ops:
             if op.ok:

@@ -246,3 +246,79 @@ def test_restart_ignores_a_fifo_at_a_block_path(tmp_path: Path) -> None:
     with TieredCache.from_config(cfg) as cache:
         assert cache.lookup(keys[1:]) == 1 and cache.lookup(keys[:1]) == 0
     assert not os.path.lexists(path)
+
+
+# --- 1: foreign blocks (another model of the same shape, another TP rank) ------------------------------------
+FOREIGN = [pytest.param({"name": "other-model"}, id="other_model_same_shape"),
+           pytest.param({"tp_rank": 1, "tp_size": 2}, id="other_tp_rank")]
+
+
+def _foreign_pair(base: dict[str, Any], other: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    import copy
+
+    ours = copy.deepcopy(base)
+    ours["model"]["name"] = "our-model"
+    if "tp_size" in other:
+        ours["model"].update(tp_rank=0, tp_size=2)
+    theirs = copy.deepcopy(ours)
+    theirs["model"].update(other)
+    return ours, theirs
+
+
+def _their_bytes(keys: list[Any]) -> torch.Tensor:
+    """Blocks that differ from the oracle's for the same keys: a foreign block served as ours shows."""
+    return (blocks_for(keys).view(torch.uint8) ^ 0x55).view(blocks_for(keys).dtype)
+
+
+@pytest.mark.parametrize("other", FOREIGN)
+def test_a_foreign_file_under_our_key_is_a_miss_and_dropped(tmp_path: Path, other: dict[str, Any]) -> None:
+    """Before: the header named key and layout only, so the other namespace's file was served as ours."""
+    ours, theirs = _foreign_pair(_file_only(tmp_path, 8), other)
+    keys = universe(2, tag="foreign-file")
+    with TieredCache.from_config(theirs) as cache:
+        assert cache.store(keys, _their_bytes(keys)) == 2
+        their_paths = [cache.core.tiers[0].path_of(k) for k in keys]
+    with TieredCache.from_config(ours) as cache:
+        tier = cache.core.tiers[0]
+        assert tier.directory != their_paths[0].parents[2]
+        assert cache.store(keys, blocks_for(keys)) == 2
+        shutil.copy(their_paths[0], tier.path_of(keys[0]))  # a foreign block lands under our key name
+        out = torch.empty_like(blocks_for(keys))
+        assert cache.load(keys, out) == 0
+        assert tier_stats(cache, "file").errors == {"corrupt": 1}
+        assert not tier.path_of(keys[0]).exists()
+        shutil.copy(their_paths[1], tier.path_of(keys[1]))
+    with TieredCache.from_config(ours) as cache:  # a restart's scan refuses it too
+        assert cache.lookup(keys[1:]) == 0
+        assert not cache.core.tiers[0].path_of(keys[1]).exists()
+    assert all(p.exists() for p in their_paths)  # the other namespace's own blocks are untouched
+
+
+@pytest.mark.parametrize("other", FOREIGN)
+def test_a_foreign_redis_value_under_our_key_is_a_miss_and_dropped(redis_servers: Any,
+                                                                    other: dict[str, Any]) -> None:
+    import redis
+
+    server = redis_servers()
+    cfg = cache_config(cpu_blocks=1, redis=redis_options(server.url, timeout=2.0, connect_timeout=1.0))
+    cfg["tiers"] = cfg["tiers"][1:]
+    cfg["placement"]["promote_on_hit"] = False
+    ours, theirs = _foreign_pair(cfg, other)
+    keys = universe(2, tag="foreign-redis")
+    client = redis.Redis.from_url(server.url)
+    with TieredCache.from_config(theirs) as cache:
+        assert cache.store(keys, _their_bytes(keys)) == 2
+        their_keys = [cache.core.tiers[0].redis_key(k) for k in keys]
+    with TieredCache.from_config(ours) as cache:
+        tier = cache.core.tiers[0]
+        assert tier.redis_key(keys[0]) != their_keys[0]
+        for key, theirs_rkey in zip(keys, their_keys, strict=True):
+            client.set(tier.redis_key(key), client.get(theirs_rkey))
+        out = torch.empty_like(blocks_for(keys))
+        assert cache.load(keys, out) == 0
+        assert tier_stats(cache, "redis").errors == {"corrupt": 2}  # one batch reads both
+        assert not client.exists(*[tier.redis_key(k) for k in keys])
+        assert client.exists(*their_keys) == 2
+        assert cache.store(keys, blocks_for(keys)) == 2  # our own blocks work as ever
+        assert cache.load(keys, out) == 2 and _same_bytes(out, blocks_for(keys))
+    client.close()
