@@ -202,6 +202,8 @@ class _ReplyError(Exception):
         super().__init__(message)
         self.message = message
         self.kind = _REPLY_ERROR_KINDS.get(message.split(" ", 1)[0], "server")
+        if "unauthenticated" in message:  # Redis ≥ 7 refuses big requests before AUTH: "Protocol error: …"
+            self.kind = "auth"
 
 
 class _ProtocolError(ConnectionError):
@@ -646,6 +648,11 @@ def _drive(conn: _Connection, pool: _Pool, run: _NodeRun, depth: int) -> bool:
             try:
                 op.read_reply(conn)
             except _ReplyError as exc:
+                if exc.kind == "auth":  # NOAUTH/NOPERM: no request can succeed here, as with a wrong password
+                    for pending in inflight:
+                        pending.reset()
+                    run.fail("auth", f"{exc.message} (is the password missing from the url or password key?)")
+                    return False
                 op.reply_error(exc)
             inflight.popleft()
             run.succeeded = True

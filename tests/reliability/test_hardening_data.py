@@ -322,3 +322,29 @@ def test_a_foreign_redis_value_under_our_key_is_a_miss_and_dropped(redis_servers
         assert cache.store(keys, blocks_for(keys)) == 2  # our own blocks work as ever
         assert cache.load(keys, out) == 2 and _same_bytes(out, blocks_for(keys))
     client.close()
+
+
+# --- 4: a Redis that requires a password, and a url without one ----------------------------------------------
+@pytest.mark.parametrize("credentials", ["missing", "wrong"])
+def test_redis_auth_failure_opens_the_breaker_and_says_so(redis_servers: Any, credentials: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Before, a missing password was silent: ``errors {'auth': N}``, health "ok", no log line at any level
+    (a wrong one already opened the breaker). Now both read the same way."""
+    server = redis_servers(["--requirepass", "s3cret"], auth=("default", "s3cret"))
+    url = server.url if credentials == "missing" else server.url.replace("redis://", "redis://:wrong@")
+    redis = {**redis_options(url, timeout=1.0, connect_timeout=1.0),
+             "circuit_breaker": {"failures": 2, "cooldown_seconds": 60}}
+    cfg = cache_config(cpu_blocks=1, redis=redis)
+    cfg["tiers"] = cfg["tiers"][1:]
+    keys = universe(4, tag=f"auth-{credentials}")
+    with caplog.at_level(logging.WARNING, logger="kvtier"), TieredCache.from_config(cfg) as cache:
+        for _ in range(3):
+            assert cache.store(keys, blocks_for(keys)) == 0
+            assert cache.lookup(keys) == 0
+        stats = tier_stats(cache, "redis")
+    assert stats.health.startswith("circuit open for 127.0.0.1"), stats.health
+    assert "auth" in stats.health
+    assert stats.errors["auth"] >= 2 and stats.errors["circuit_open"] > 0, stats.errors
+    assert set(stats.errors) <= {"auth", "circuit_open", "connection"}, stats.errors
+    warnings = [r.getMessage() for r in caplog.records if "degraded" in r.getMessage()]
+    assert len(warnings) == 1 and "auth" in warnings[0], warnings
