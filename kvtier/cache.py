@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
-from collections.abc import Container, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
 from kvtier.blocks import BlockKey, KVCacheSpec
 from kvtier.codec import MAX_HASH_BYTES
-from kvtier.errors import KVTierConfigError, LayoutMismatch
+from kvtier.errors import CacheClosed, KVTierConfigError, LayoutMismatch
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats, TierActivity, TierStats
 from kvtier.policy import InsertHint
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
+#: Seconds ``close()`` lets calls already in flight finish before it cuts them short with CacheClosed.
+INFLIGHT_GRACE_SECONDS = 10.0
 
 Blocks = torch.Tensor | Sequence[torch.Tensor]
 
@@ -63,6 +67,31 @@ class ResidencyWatcher(Protocol):
     def residency_changed(self, keys: Sequence[BlockKey]) -> None: ...
 
     def blocks_removed(self, keys: Sequence[BlockKey]) -> None: ...
+
+
+def _operation(method: Callable[Concatenate[AsyncTieredCache, P], Awaitable[T]]
+               ) -> Callable[Concatenate[AsyncTieredCache, P], Coroutine[Any, Any, T]]:
+    """A public coroutine of the cache: refused once closed, and known to ``close()`` while in flight."""
+
+    @functools.wraps(method)
+    async def tracked(self: AsyncTieredCache, *args: P.args, **kwargs: P.kwargs) -> T:
+        self._check_open()
+        task = asyncio.current_task()
+        ops = self._operations
+        ops[task] = ops.get(task, 0) + 1
+        try:
+            return await method(self, *args, **kwargs)
+        except asyncio.CancelledError:
+            if task in self._cut_short:
+                raise CacheClosed(f"the cache was closed while this {method.__name__} was in flight "
+                                  f"(it did not finish within {INFLIGHT_GRACE_SECONDS:g} s)") from None
+            raise
+        finally:
+            count = ops.pop(task, 1) - 1
+            if count:
+                ops[task] = count
+
+    return tracked
 
 
 class AsyncTieredCache:
@@ -85,6 +114,12 @@ class AsyncTieredCache:
         self._counts = dict(lookups=0, lookup_blocks=0, lookup_hit_blocks=0, loads=0, load_blocks=0,
                             loaded_blocks=0, stored_blocks=0)
         self._started = False
+        self._closed = False
+        #: tasks inside a public coroutine now (with their nesting count), and those close() cancelled
+        self._operations: dict[asyncio.Task[Any] | None, int] = {}
+        self._cut_short: set[asyncio.Task[Any] | None] = set()
+        #: threads inside read_leased now (it copies out of memory tiers that close() releases)
+        self._leased_reads = 0
         #: (address, port) of the Prometheus endpoint the blocking face should serve, if any
         self.metrics_endpoint: tuple[str, int] | None = None
 
@@ -103,6 +138,7 @@ class AsyncTieredCache:
     # --- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Index what the persistent tiers already hold (a restart keeps a warm cache). Idempotent."""
+        self._check_open()
         if self._started:
             return
         self._started = True
@@ -125,12 +161,49 @@ class AsyncTieredCache:
                 log.info("tier %s holds %d blocks beyond its capacity; deleting them", tier.name, len(surplus))
                 await self._safe_delete(t, surplus)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self) -> None:
+        """Close the cache: later calls raise :class:`CacheClosed`; then close the tiers. Idempotent.
+
+        Calls already in flight (other tasks, or other threads through :class:`TieredCache`) finish
+        first; one still running after ``INFLIGHT_GRACE_SECONDS`` is cancelled and raises
+        :class:`CacheClosed` to its caller, so no caller waits forever and no tier is closed under a call.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        await self._settle_operations()
         for tier in self.tiers:
             try:
                 await tier.close()
             except Exception:
                 log.exception("closing tier %s failed", tier.name)
+
+    async def _settle_operations(self) -> None:
+        """Wait for in-flight calls (bounded), then cancel the stragglers and wait for them to unwind."""
+        me = asyncio.current_task()
+        deadline = time.monotonic() + INFLIGHT_GRACE_SECONDS
+
+        def busy() -> bool:
+            return any(task is not me for task in self._operations) or self._leased_reads > 0
+
+        while busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        stragglers = [task for task in self._operations if task is not None and task is not me]
+        if stragglers:
+            log.warning("closing the cache: %d calls still in flight after %g s are cut short",
+                        len(stragglers), INFLIGHT_GRACE_SECONDS)
+            self._cut_short.update(stragglers)
+            for task in stragglers:
+                task.cancel()
+            await asyncio.wait(stragglers, timeout=INFLIGHT_GRACE_SECONDS)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosed("the cache is closed")
 
     async def __aenter__(self) -> AsyncTieredCache:
         await self.start()
@@ -140,6 +213,7 @@ class AsyncTieredCache:
         await self.close()
 
     # --- public API -----------------------------------------------------------------------------------
+    @_operation
     async def lookup(self, keys: Sequence[BlockKey]) -> int:
         """Number of leading ``keys`` cached in some tier. Reads no block data; never raises for I/O."""
         await self.start()
@@ -150,6 +224,7 @@ class AsyncTieredCache:
         self._counts["lookup_hit_blocks"] += len(found)
         return len(found)
 
+    @_operation
     async def load(self, keys: Sequence[BlockKey], out: Blocks) -> int:
         """Fill ``out`` with the leading cached blocks of ``keys``; return how many are valid.
 
@@ -202,6 +277,7 @@ class AsyncTieredCache:
         await self._promote(keys[:loaded], where[:loaded], buffers[:loaded])
         return loaded
 
+    @_operation
     async def store(self, keys: Sequence[BlockKey], blocks: Blocks,
                     hints: Sequence[InsertHint] | None = None) -> int:
         """Store blocks (already cached keys are only touched); return how many are now cached.
@@ -236,6 +312,7 @@ class AsyncTieredCache:
         where: list[int | None] = []
         append = where.append
         with self._index_lock:
+            self._check_open()
             for key in keys:
                 for t, entries, pins in candidates:
                     if entries.get(key) == READY:
@@ -250,6 +327,7 @@ class AsyncTieredCache:
         """Drop the pins :meth:`lease` took (``where`` is what it returned); thread-safe."""
         indexes = self.residency.tiers
         with self._index_lock:
+            self._check_open()
             for key, t in zip(keys, where, strict=True):
                 if t is not None:
                     pins = indexes[t].pins  # TierIndex.unpin, inlined (hot path)
@@ -271,11 +349,20 @@ class AsyncTieredCache:
         buffers = self._byte_blocks(keys, out, "out")
         by_tier: dict[int, list[int]] = {}
         with self._index_lock:
+            self._check_open()
             for i, (key, t) in enumerate(zip(keys, where, strict=True)):
                 index = self.residency.tiers[t]
                 if not self.tiers[t].addressable or key not in index.pins or not index.is_ready(key):
                     raise ValueError(f"{key} is not leased in memory tier {self.tiers[t].name}")
                 by_tier.setdefault(t, []).append(i)
+            self._leased_reads += 1
+        try:
+            self._copy_leased(keys, buffers, by_tier)
+        finally:
+            with self._index_lock:
+                self._leased_reads -= 1
+
+    def _copy_leased(self, keys: Sequence[BlockKey], buffers: list[torch.Tensor], by_tier: dict[int, list[int]]) -> None:
         for t, idx in by_tier.items():
             start = time.perf_counter()
             for i, view in zip(idx, self.tiers[t].views([keys[i] for i in idx]), strict=True):
@@ -300,6 +387,7 @@ class AsyncTieredCache:
     def add_watcher(self, watcher: ResidencyWatcher) -> None:
         """Tell ``watcher`` of index changes from now on, after reporting every indexed key to it once."""
         with self._index_lock:
+            self._check_open()
             self._watchers.append(watcher)
             known: set[BlockKey] = set()
             for index in self.residency.tiers:
@@ -579,6 +667,8 @@ class TieredCache:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-loop", daemon=True)
         self._thread.start()
         self._closed = False
+        self._state = threading.Lock()  # orders submissions with close(): none is submitted after it
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         self._call(core.start())
         self.metrics_server: MetricsServer | None = None
         if core.metrics_endpoint is not None:
@@ -648,18 +738,36 @@ class TieredCache:
     async def _snapshot(self) -> CacheStats:
         return self.core.stats()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        if self._closed:
-            return
+        """Close the cache (see :meth:`AsyncTieredCache.close`); thread-safe and idempotent.
+
+        Calls in flight on other threads finish, or raise :class:`CacheClosed` if they are cut short;
+        every later call raises :class:`CacheClosed` (``stats()`` still answers, with the final figures).
+        """
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
         if self.metrics_server is not None:
             self.metrics_server.close()
         try:
-            self._call(self.core.close())
+            done = asyncio.run_coroutine_threadsafe(self.core.close(), self._loop)
+            done.result(timeout=INFLIGHT_GRACE_SECONDS * 2 + 60)
+        except concurrent.futures.TimeoutError:
+            log.error("closing the cache did not finish in time; stopping its loop anyway")
         finally:
-            self._closed = True
+            with self._state:
+                stranded = list(self._pending)
+            for future in stranded:  # never started or never settled: the callers must not wait forever
+                future.cancel()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
-            self._loop.close()
+            if not self._thread.is_alive():
+                self._loop.close()
 
     def __enter__(self) -> TieredCache:
         return self
@@ -668,13 +776,24 @@ class TieredCache:
         self.close()
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        if self._closed:
-            coro.close()
-            raise RuntimeError("TieredCache is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        with self._state:
+            if self._closed:
+                coro.close()
+                raise CacheClosed("TieredCache is closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._pending.add(future)
+        future.add_done_callback(self._settled)
+        return future
+
+    def _settled(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._state:
+            self._pending.discard(future)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._submit(coro).result()
+        try:
+            return self._submit(coro).result()
+        except concurrent.futures.CancelledError:
+            raise CacheClosed("TieredCache was closed while this call was in flight") from None
 
 
 __all__ = ["AsyncTieredCache", "ResidencyWatcher", "TieredCache"]

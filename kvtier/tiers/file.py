@@ -244,8 +244,8 @@ class FileTier(Tier):
         last = {key: i for i, key in enumerate(keys)}
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        outcomes = await asyncio.gather(*(
-            loop.run_in_executor(self._executor, self._write_block, key, arrays[i]) for key, i in last.items()))
+        outcomes = await _all_done([
+            loop.run_in_executor(self._executor, self._write_block, key, arrays[i]) for key, i in last.items()])
         self.counters.write_seconds += time.perf_counter() - start
         by_key = dict(zip(last, outcomes, strict=True))
         for outcome in outcomes:
@@ -265,8 +265,8 @@ class FileTier(Tier):
         jobs = [(i, key, size) for i, key in enumerate(keys) if (size := self._index.get(key)) is not None]
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        outcomes = await asyncio.gather(*(
-            loop.run_in_executor(self._executor, self._read_block, key, size, arrays[i]) for i, key, size in jobs))
+        outcomes = await _all_done([
+            loop.run_in_executor(self._executor, self._read_block, key, size, arrays[i]) for i, key, size in jobs])
         self.counters.read_seconds += time.perf_counter() - start
         hits = [False] * len(keys)
         for (i, _, _), outcome in zip(jobs, outcomes, strict=True):
@@ -676,6 +676,17 @@ class FileTier(Tier):
             if capacity is not None and used > capacity:
                 log.debug("file tier %r: group %d holds %d bytes, over its capacity of %d (the cache evicts)",
                           self.name, gid, used, capacity)
+
+
+async def _all_done(futures: list[asyncio.Future[_Outcome]]) -> list[_Outcome]:
+    """Gather the I/O threads' results; if the caller is cancelled, wait for them first, so that no
+    thread reads or writes the caller's buffers after the call has ended."""
+    try:
+        return await asyncio.shield(asyncio.gather(*futures))
+    except asyncio.CancelledError:
+        if futures:
+            await asyncio.wait(futures)
+        raise
 
 
 def _open_block(path: str, flags: int = 0) -> int:

@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,13 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier import TieredCache
+import kvtier.cache
+from kvtier import AsyncTieredCache, TieredCache
+from kvtier.errors import CacheClosed
 from kvtier.logs import LogLimiter
 from tests.reliability.conftest import (
     BLOCK,
+    FaultProxy,
     blocks_for,
     cache_config,
     corrupt_file,
@@ -348,3 +352,157 @@ def test_redis_auth_failure_opens_the_breaker_and_says_so(redis_servers: Any, cr
     assert set(stats.errors) <= {"auth", "circuit_open", "connection"}, stats.errors
     warnings = [r.getMessage() for r in caplog.records if "degraded" in r.getMessage()]
     assert len(warnings) == 1 and "auth" in warnings[0], warnings
+
+
+# --- 3: close() while other threads are inside load/store/lookup ---------------------------------------------
+class _Callers:
+    """Threads calling store/lookup/load until the cache says it is closed; they record anything else."""
+
+    def __init__(self, cache: TieredCache, threads: int = 6) -> None:
+        self.cache = cache
+        self.unexpected: list[str] = []
+        self.closed_errors = 0
+        self.in_call = 0
+        self.calls = 0
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, index: int) -> None:
+        keys = universe(4, tag=f"closing-{index}")
+        blocks = blocks_for(keys)
+        out = torch.empty_like(blocks)
+        calls = [lambda: self.cache.store(keys, blocks), lambda: self.cache.lookup(keys),
+                 lambda: self.cache.load(keys, out)]
+        i = 0
+        while True:
+            with self._lock:
+                self.in_call += 1
+            try:
+                calls[i % 3]()
+            except CacheClosed:
+                with self._lock:
+                    self.closed_errors += 1
+                return
+            except Exception as exc:
+                self.unexpected.append(f"{type(exc).__name__}: {exc}")
+                return
+            finally:
+                with self._lock:
+                    self.in_call -= 1
+                    self.calls += 1
+            i += 1
+
+    def join(self, timeout: float) -> list[threading.Thread]:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        return [t for t in self.threads if t.is_alive()]
+
+
+def _slow_redis_cache(redis_servers: Any, proxy_mode: str, timeout: float) -> tuple[FaultProxy, dict[str, Any]]:
+    server = redis_servers()
+    proxy = FaultProxy(("127.0.0.1", server.port), mode=proxy_mode, delay=0.05)
+    cfg = cache_config(cpu_blocks=2, redis=redis_options(proxy.url, timeout=timeout, connect_timeout=timeout,
+                                                         failures=1000))
+    return proxy, cfg
+
+
+def test_close_lets_in_flight_calls_finish_and_refuses_later_ones(redis_servers: Any) -> None:
+    """Before: callers on other threads waited forever on calls close() left behind (15 in two runs)."""
+    proxy, cfg = _slow_redis_cache(redis_servers, "slow", timeout=2.0)  # every Redis reply takes 50 ms
+    with proxy:
+        cache = TieredCache.from_config(cfg)
+        callers = _Callers(cache)
+        assert kvtier_wait(lambda: callers.calls >= 6, 10)
+        in_flight_at_close = callers.in_call
+        start = time.monotonic()
+        cache.close()
+        closing = time.monotonic() - start
+        stuck = callers.join(timeout=10)
+    assert not stuck, f"{len(stuck)} callers still waiting 10 s after close()"
+    assert callers.unexpected == []
+    assert callers.closed_errors == len(callers.threads)
+    assert in_flight_at_close > 0 and closing < 10
+    _assert_every_call_refused(cache)
+
+
+def test_close_cuts_short_calls_that_outlive_the_grace_period(redis_servers: Any, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A Redis that never answers (timeout 3 s) and a grace of 0.2 s: the calls are cancelled and their
+    callers get CacheClosed once the Redis reads unwind (bounded by the tier's timeout: no thread may
+    write into a caller's buffer after its call ended)."""
+    monkeypatch.setattr(kvtier.cache, "INFLIGHT_GRACE_SECONDS", 0.2)
+    proxy, cfg = _slow_redis_cache(redis_servers, "pass", timeout=3.0)
+    with proxy:
+        cache = TieredCache.from_config(cfg)
+        cache.store(universe(1, tag="warm"), blocks_for(universe(1, tag="warm")))
+        proxy.mode = "blackhole"
+        callers = _Callers(cache)
+        assert kvtier_wait(lambda: callers.in_call == len(callers.threads), 10)
+        time.sleep(0.2)
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            cache.close()
+        closing = time.monotonic() - start
+        stuck = callers.join(timeout=10)
+    assert not stuck and callers.unexpected == []
+    assert callers.closed_errors == len(callers.threads)
+    assert any("cut short" in r.getMessage() for r in caplog.records)
+    assert closing < 0.2 + 3.0 + 1.5, closing
+
+
+def kvtier_wait(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _assert_every_call_refused(cache: TieredCache) -> None:
+    keys = universe(2, tag="after-close")
+    blocks = blocks_for(keys)
+    calls = {
+        "lookup": lambda: cache.lookup(keys), "load": lambda: cache.load(keys, blocks.clone()),
+        "store": lambda: cache.store(keys, blocks), "submit_load": lambda: cache.submit_load(keys, blocks.clone()),
+        "submit_store": lambda: cache.submit_store(keys, blocks), "lease": lambda: cache.lease(keys),
+        "release": lambda: cache.release(keys, [0, 0]), "read_leased": lambda: cache.read_leased(keys, [0, 0], blocks),
+        "add_watcher": lambda: cache.add_watcher(object()),  # type: ignore[arg-type]
+    }
+    for name, call in calls.items():
+        with pytest.raises(CacheClosed, match="closed"):
+            call()
+        assert name
+    assert cache.stats().tiers  # the final figures stay readable
+    cache.close()  # idempotent
+
+
+def test_every_call_after_close_raises_closed(tmp_path: Path) -> None:
+    cache = TieredCache.from_config(cache_config(file_dir=tmp_path / "files"))
+    cache.close()
+    _assert_every_call_refused(cache)
+
+
+def test_async_cache_refuses_every_call_after_close(tmp_path: Path) -> None:
+    import asyncio
+
+    async def main() -> None:
+        core = AsyncTieredCache.from_config(cache_config(file_dir=tmp_path / "files"))
+        keys = universe(2, tag="async-close")
+        blocks = blocks_for(keys)
+        async with core:
+            assert await core.store(keys, blocks) == 2
+        assert core.closed
+        for coro in (core.start(), core.lookup(keys), core.load(keys, blocks.clone()), core.store(keys, blocks)):
+            with pytest.raises(CacheClosed):
+                await coro
+        with pytest.raises(CacheClosed):
+            core.lease(keys)
+        with pytest.raises(CacheClosed):
+            core.read_leased(keys, [0, 0], blocks)
+        await core.close()  # idempotent
+
+    asyncio.run(main())
