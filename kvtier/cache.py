@@ -107,6 +107,7 @@ class AsyncTieredCache:
         self.namespace = namespace
         self.layouts = {g.group_id: g.layout for g in spec.groups}
         self._activity = [TierActivity() for _ in self.tiers]
+        self._capacity_seen = [tier.capacity_version for tier in self.tiers]
         self._remote = [t for t, tier in enumerate(self.tiers) if tier.self_evicting]
         self._mutation: asyncio.Lock | None = None
         self._index_lock = threading.Lock()
@@ -574,9 +575,31 @@ class AsyncTieredCache:
                         self._activity[t].failed_stores += 1
                 self._changed(keys[i] for i in idx)
             self._report_removed((k for drops in plan.drops for k in drops), copied)
+        for t, tier in enumerate(self.tiers):
+            if tier.capacity_version != self._capacity_seen[t]:
+                await self._follow_capacity(t)
         if refused is not None:
             raise refused
         return sorted(stored)
+
+    async def _follow_capacity(self, t: int) -> None:
+        """A tier changed its own capacity (a full disk): index it, and evict what no longer fits.
+
+        Runs under the mutation lock, after a plan's writes settled: no entry is pending then."""
+        tier, index = self.tiers[t], self.residency.tiers[t]
+        self._capacity_seen[t] = tier.capacity_version
+        surplus: list[BlockKey] = []
+        with self._index_lock:
+            index.capacity.update(tier.capacity_bytes)
+            for gid in index.capacity:
+                for victim in index.victims_for(gid, 0) or ():
+                    index.discard(victim)
+                    surplus.append(victim)
+            self._changed(surplus)
+            self._report_removed(surplus)
+        if surplus:
+            self._activity[t].evictions += len(surplus)
+            await self._safe_delete(t, surplus)
 
     async def _demote(self, src: int, moves: list[tuple[BlockKey, int]]) -> list[BlockKey]:
         """Copy evicted blocks from ``src`` to their lower tiers (zero-copy when ``src`` is memory).

@@ -69,6 +69,8 @@ class Tier(ABC):
         self.name = name
         self.layouts = dict(layouts)
         self.capacity_bytes = dict(capacity_bytes)
+        #: bumped when the tier changes ``capacity_bytes`` itself (a full disk): the cache then follows
+        self.capacity_version = 0
         self.counters = TierCounters()
         #: ``"ok"``, or why the tier is degraded now (``"enospc"``, ``"circuit open: host:port"`` …)
         self.health = "ok"

@@ -85,6 +85,8 @@ TMP_SUFFIX = ".tmp"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _ZERO_PAGE = bytes(PAGE)
+#: While a full disk keeps the capacity below the configured one, free space is re-checked this often.
+DISK_RECHECK_SECONDS = 1.0
 
 Compression = Literal["none", "lz4"]
 
@@ -202,9 +204,13 @@ class FileTier(Tier):
         self._body_bytes = max((size - PAGE for size in self._max_file_size.values()), default=PAGE)
         self._local = threading.local()
         self._corrupt_log = LogLimiter(log, f"corrupt blocks dropped by file tier {name!r}")
+        self._capacity_log = LogLimiter(log, f"capacity changes of file tier {name!r}")
         self._lock = threading.Lock()  # orders index updates with the rename/unlink they describe
         self._index: dict[BlockKey, int] = {}
         self._blocks_per_group = dict.fromkeys(self.layouts, 0)
+        #: what the config asked for; ``capacity_bytes`` is what the disk holds now (a full disk shrinks it)
+        self.configured_capacity_bytes = dict(self.capacity_bytes)
+        self._disk_checked_at = float("-inf")
         self._made_dirs: set[str] = set()
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-file-{name}")
         try:
@@ -250,6 +256,10 @@ class FileTier(Tier):
         by_key = dict(zip(last, outcomes, strict=True))
         for outcome in outcomes:
             self._count(outcome, write=True)
+        disk_full = any(outcome.error == "enospc" for outcome in outcomes)
+        if disk_full or (self.capacity_bytes != self.configured_capacity_bytes
+                         and time.monotonic() - self._disk_checked_at >= DISK_RECHECK_SECONDS):
+            self._fit_disk(disk_full)
         self._log_over_capacity(last)
         return [by_key[key].error is None for key in keys]
 
@@ -302,6 +312,50 @@ class FileTier(Tier):
         """Wait for in-flight I/O on a helper thread, then stop the I/O threads."""
         await asyncio.to_thread(self._executor.shutdown, True)
         self._corrupt_log.flush()
+        self._capacity_log.flush()
+
+    def _fit_disk(self, disk_full: bool) -> None:
+        """Make ``capacity_bytes`` what the disk can hold: the blocks held plus what fits in the free space
+        (``statvfs``), never above the configured capacity, at least one block per group.
+
+        After ENOSPC the cache then evicts to stay within it and the tier keeps storing, instead of
+        failing every write while older blocks hold the disk. Called on ENOSPC, and (while shrunk) at most
+        every ``DISK_RECHECK_SECONDS`` on a put, so the capacity grows back when space frees up. When
+        ``statvfs`` sees room that a write was refused (a quota, reserved blocks), the capacity is cut to
+        the blocks held.
+        """
+        self._disk_checked_at = time.monotonic()
+        try:
+            info = os.statvfs(self._directory)
+        except OSError as exc:
+            log.debug("file tier %r: statvfs failed: %s", self.name, exc)
+            return
+        free = info.f_bavail * info.f_frsize
+        with self._lock:
+            held = dict(self._blocks_per_group)
+        configured = self.configured_capacity_bytes
+        total = sum(configured.values()) or 1
+        refused_with_room = disk_full and free >= max(self._max_file_size.values(), default=0)
+        fitted: dict[int, int] = {}
+        for gid, limit in configured.items():
+            nbytes = self.layouts[gid].nbytes
+            room = 0 if refused_with_room else int(free * limit / total) // self._raw_file_size[gid]
+            blocks = max(1, held.get(gid, 0) + room)
+            fitted[gid] = min(limit, blocks * nbytes)
+            if not disk_full:  # a re-check only grows: shrinking waits for the disk to say it is full
+                fitted[gid] = max(fitted[gid], self.capacity_bytes.get(gid, 0))
+        if fitted == self.capacity_bytes:
+            return
+        before = sum(self.capacity_bytes.values())
+        self.capacity_bytes = fitted
+        self.capacity_version += 1
+        after, wanted = sum(fitted.values()), sum(configured.values())
+        if after < before:
+            self._capacity_log.log("file tier %r: the disk under %s is full; effective capacity %d → %d bytes (configured %d): "
+                        "older blocks are evicted to keep storing", self.name, self.directory, before, after, wanted)
+        else:
+            self._capacity_log.log("file tier %r: disk space came back; effective capacity %d → %d bytes (configured %d)",
+                        self.name, before, after, wanted)
 
     # --- paths and directories ---------------------------------------------------------------------
     def path_of(self, key: BlockKey) -> Path:

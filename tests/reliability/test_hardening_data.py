@@ -14,9 +14,11 @@ import logging
 import os
 import random
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -506,3 +508,58 @@ def test_async_cache_refuses_every_call_after_close(tmp_path: Path) -> None:
         await core.close()  # idempotent
 
     asyncio.run(main())
+
+
+# --- 6: a full disk (a real, small tmpfs) ----------------------------------------------------------------------
+@pytest.fixture()
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of the test's own (needs root and mount(2); skipped where it cannot be mounted)."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a small tmpfs needs root and mount(8)")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if made.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_full_disk_shrinks_the_capacity_and_keeps_storing(small_disk: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capacity 200 blocks (4 MiB) on a 1 MiB disk that a filler half fills. Before: once the disk was
+    full every store failed ("enospc") until a restart. After: the tier cuts its capacity to what the
+    disk holds, evicts the oldest blocks as usual and keeps storing; freed space is used again."""
+    import kvtier.tiers.file as file_module
+
+    monkeypatch.setattr(file_module, "DISK_RECHECK_SECONDS", 0.0, raising=False)
+    filler = small_disk / "filler"
+    filler.write_bytes(bytes(512 * 1024))
+    cfg = _file_only(small_disk / "cache", 200)
+    keys = universe(120, tag="full-disk")
+    with TieredCache.from_config(cfg) as cache:
+        configured = tier_stats(cache, "file").capacity_bytes
+        stored = [cache.store([key], blocks_for([key])) for key in keys[:80]]
+        first_failure = stored.index(0) if 0 in stored else None
+        assert first_failure is not None, "the disk never filled: the test tested nothing"
+        assert stored[first_failure + 1:].count(0) <= 1, stored  # at most one more refusal, then it stores again
+        stats = tier_stats(cache, "file")
+        assert stats.capacity_bytes < configured and stats.errors.get("enospc", 0) >= 1
+        assert stats.usage_bytes <= stats.capacity_bytes
+        held = len(list(cache.core.tiers[0].keys()))
+        assert held * BLOCK == stats.usage_bytes and held >= 15
+        recent = keys[70:80]
+        out = torch.empty_like(blocks_for(recent))
+        assert cache.load(recent, out) == 10 and _same_bytes(out, blocks_for(recent))  # the newest are there
+        assert cache.lookup(keys[:1]) == 0  # the oldest were evicted to make room
+
+        filler.unlink()  # space comes back: the capacity grows with it
+        assert all(cache.store([key], blocks_for([key])) == 1 for key in keys[80:120])
+        grown = tier_stats(cache, "file")
+        assert grown.capacity_bytes > stats.capacity_bytes
+        assert len(list(cache.core.tiers[0].keys())) > held
+        assert grown.health == "ok"
