@@ -17,8 +17,8 @@ import shutil
 import subprocess
 import threading
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
