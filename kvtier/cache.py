@@ -20,12 +20,17 @@ is loadable, and reports blocks that left every tier).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import contextlib
 import functools
 import logging
+import os
+import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -37,6 +42,7 @@ from kvtier.errors import CacheClosed, KVTierConfigError, LayoutMismatch
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats, TierActivity, TierStats
 from kvtier.policy import InsertHint
+from kvtier.policy.admission import AdmitAll
 from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import aligned_empty
@@ -98,7 +104,8 @@ class AsyncTieredCache:
     """The async core. Create with :meth:`from_config` (or directly), then ``await start()``."""
 
     def __init__(self, spec: KVCacheSpec, tiers: Sequence[Tier], residency: Residency,
-                 namespace: Namespace | None = None) -> None:
+                 namespace: Namespace | None = None, *, persist_on_close: bool | None = None,
+                 persist_budget_seconds: float = 10.0) -> None:
         if len(tiers) != len(residency.tiers):
             raise ValueError(f"{len(tiers)} tiers but an index for {len(residency.tiers)}")
         self.spec = spec
@@ -116,6 +123,11 @@ class AsyncTieredCache:
                             loaded_blocks=0, stored_blocks=0)
         self._started = False
         self._closed = False
+        #: write the memory tiers' blocks down to the persistent tier below on close (default: when there
+        #: is one, i.e. a file or Redis tier), within ``persist_budget_seconds``
+        self.persist_on_close = (any(not tier.addressable for tier in self.tiers) if persist_on_close is None
+                                 else persist_on_close)
+        self.persist_budget_seconds = persist_budget_seconds
         #: tasks inside a public coroutine now (with their nesting count), and those close() cancelled
         self._operations: dict[asyncio.Task[Any] | None, int] = {}
         self._cut_short: set[asyncio.Task[Any] | None] = set()
@@ -131,7 +143,8 @@ class AsyncTieredCache:
 
         cfg = config if hasattr(config, "tiers") and not isinstance(config, dict) else load_config(config)
         spec, tiers, residency, namespace = build_cache_parts(cfg)
-        core = cls(spec, tiers, residency, namespace)
+        core = cls(spec, tiers, residency, namespace, persist_on_close=cfg.placement.persist_on_close,
+                   persist_budget_seconds=cfg.placement.persist_budget_seconds)
         if cfg.metrics.port is not None:
             core.metrics_endpoint = (cfg.metrics.address, cfg.metrics.port)
         return core
@@ -177,11 +190,88 @@ class AsyncTieredCache:
             return
         self._closed = True
         await self._settle_operations()
+        if self.persist_on_close and self._started:
+            await self.persist(self.persist_budget_seconds)
         for tier in self.tiers:
             try:
                 await tier.close()
             except Exception:
                 log.exception("closing tier %s failed", tier.name)
+
+    async def persist(self, budget_seconds: float) -> int:
+        """Write the memory tiers' blocks to the first persistent tier below them; return how many.
+
+        Called by :meth:`close` (``placement.persist_on_close``) so that a clean restart — or a SIGTERM,
+        see :class:`TieredCache` — comes back warm even with ``write_back``, which writes a block down
+        only when it is evicted. Hottest blocks first; blocks a persistent tier already holds are
+        skipped; the target's admission policy is bypassed (shutdown is the last chance), its eviction
+        is not. Stops when ``budget_seconds`` run out (logged). Never raises for I/O.
+        """
+        start = time.monotonic()
+        counts = [0, 0]  # written, already persistent
+
+        async def every_tier() -> None:
+            for src, target in self._persist_pairs():
+                await self._persist_tier(src, target, counts)
+
+        try:
+            await asyncio.wait_for(every_tier(), budget_seconds)
+        except asyncio.TimeoutError:
+            log.warning("persist on close: the budget of %g s ran out after %d blocks (raise "
+                        "placement.persist_budget_seconds to keep more across restarts)", budget_seconds, counts[0])
+        except Exception:
+            log.exception("persist on close failed after %d blocks", counts[0])
+        if any(counts):
+            log.info("persist on close: %d blocks written down, %d already persistent, in %.2f s",
+                     counts[0], counts[1], time.monotonic() - start)
+        return counts[0]
+
+    def _persist_pairs(self) -> list[tuple[int, int]]:
+        """(memory tier, the first persistent tier below it) for every memory tier above a persistent one."""
+        pairs = []
+        for src, tier in enumerate(self.tiers):
+            if not tier.addressable:
+                continue
+            below = [t for t in range(src + 1, len(self.tiers)) if not self.tiers[t].addressable]
+            if below:
+                pairs.append((src, below[0]))
+        return pairs
+
+    async def _persist_tier(self, src: int, target: int, counts: list[int], batch: int = 32) -> None:
+        index = self.residency.tiers[src]
+        with self._index_lock:
+            keys = [key for gid, policy in index.policies.items()
+                    for key in reversed(policy.victims(len(policy), ())) if index.is_ready(key)]
+        lower = [t for t in range(src + 1, len(self.tiers)) if not self.tiers[t].addressable]
+        assert self._mutation is not None
+        for first in range(0, len(keys), batch):
+            chunk = keys[first:first + batch]
+            missing = [k for k in chunk if not any(k in self.residency.tiers[t] for t in lower)]
+            for t in lower:
+                if self.tiers[t].self_evicting and missing:
+                    there = await self._safe_io(t, "contains", missing)
+                    missing = [k for k, present in zip(missing, there, strict=True) if not present]
+            counts[1] += len(chunk) - len(missing)
+            if not missing:
+                continue
+            async with self._mutation:
+                with self._admitting_all(target):
+                    plan = self._plan_store(missing, [InsertHint(position=i) for i in range(len(missing))],
+                                            only_tier=target)
+                done = await self._execute(plan, missing, self.tiers[src].views(missing))
+            counts[0] += len(done)
+
+    @contextlib.contextmanager
+    def _admitting_all(self, t: int) -> Iterator[None]:
+        admissions = self.residency.placement.admission
+        if not isinstance(admissions, list):
+            yield
+            return
+        saved, admissions[t] = admissions[t], AdmitAll()
+        try:
+            yield
+        finally:
+            admissions[t] = saved
 
     async def _settle_operations(self) -> None:
         """Wait for in-flight calls (bounded), then cancel the stragglers and wait for them to unwind."""
@@ -676,6 +766,49 @@ def _length(value: object) -> str:
         return "-"
 
 
+# --- persisting on exit: caches still open at interpreter exit or on SIGTERM are closed (and persist) ---------
+_OPEN_CACHES: weakref.WeakSet[TieredCache] = weakref.WeakSet()
+_exit_hooks_lock = threading.Lock()
+_exit_hooks_installed = False
+_previous_sigterm: Any = None
+
+
+def _close_open_caches() -> None:
+    for cache in list(_OPEN_CACHES):
+        try:
+            cache.close()
+        except Exception:
+            log.exception("closing a cache at exit failed")
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Close (and so persist) every open cache, then do what SIGTERM did before kvtier hooked it."""
+    log.warning("SIGTERM: closing %d open kvtier caches (persist_on_close) before exiting", len(_OPEN_CACHES))
+    _close_open_caches()
+    if callable(_previous_sigterm):
+        _previous_sigterm(signum, frame)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_exit_hooks() -> None:
+    """An ``atexit`` hook, and a SIGTERM handler when called on the main thread and SIGTERM is not ignored
+    (a handler already there is called after ours). Once per process."""
+    global _exit_hooks_installed, _previous_sigterm
+    with _exit_hooks_lock:
+        if _exit_hooks_installed:
+            return
+        _exit_hooks_installed = True
+        atexit.register(_close_open_caches)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous == signal.SIG_DFL or callable(previous):
+            _previous_sigterm = previous
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 class TieredCache:
     """Blocking face of :class:`AsyncTieredCache`; its coroutines run on a private loop thread.
 
@@ -690,9 +823,14 @@ class TieredCache:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-loop", daemon=True)
         self._thread.start()
         self._closed = False
-        self._state = threading.Lock()  # orders submissions with close(): none is submitted after it
+        # orders submissions with close(): none is submitted after it (re-entrant: close() may run in a
+        # SIGTERM handler on a thread that was inside _submit)
+        self._state = threading.RLock()
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._call(core.start())
+        if core.persist_on_close:
+            _OPEN_CACHES.add(self)
+            _install_exit_hooks()
         self.metrics_server: MetricsServer | None = None
         if core.metrics_endpoint is not None:
             from kvtier.prometheus import MetricsServer
@@ -775,11 +913,12 @@ class TieredCache:
             if self._closed:
                 return
             self._closed = True
+        _OPEN_CACHES.discard(self)
         if self.metrics_server is not None:
             self.metrics_server.close()
         try:
             done = asyncio.run_coroutine_threadsafe(self.core.close(), self._loop)
-            done.result(timeout=INFLIGHT_GRACE_SECONDS * 2 + 60)
+            done.result(timeout=INFLIGHT_GRACE_SECONDS * 2 + self.core.persist_budget_seconds + 30)
         except concurrent.futures.TimeoutError:
             log.error("closing the cache did not finish in time; stopping its loop anyway")
         finally:

@@ -248,6 +248,9 @@ class PlacementConfig(_Strict):
     promote_to: int = Field(default=0, ge=0)
     keep_lower_copy: bool = True
     admission_history: int = Field(default=65536, gt=0)
+    #: write memory-tier blocks down to the persistent tier on close() and SIGTERM (None: when one exists)
+    persist_on_close: bool | None = None
+    persist_budget_seconds: float = Field(default=10.0, gt=0)
 
 
 class MetricsConfig(_Strict):

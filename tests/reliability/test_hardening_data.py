@@ -14,7 +14,10 @@ import logging
 import os
 import random
 import shutil
+import signal
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -563,3 +566,143 @@ def test_full_disk_shrinks_the_capacity_and_keeps_storing(small_disk: Path,
         assert grown.capacity_bytes > stats.capacity_bytes
         assert len(list(cache.core.tiers[0].keys())) > held
         assert grown.health == "ok"
+
+
+# --- 5: a clean restart comes back warm with write_back (persist_on_close) ------------------------------------
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _readme_snippet() -> str:
+    """The README's library example, made runnable: token ids and the engine's KV filled in."""
+    text = (REPO / "README.md").read_text()
+    code = text.split("## Using it as a library", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "cache.close()" in code and "TieredCache.from_config" in code
+    code = code.replace("# ... compute KV for keys[loaded:] into `blocks` ...",
+                        "blocks = torch.ones((len(keys) - loaded, *group.layout.shape), dtype=group.layout.dtype)")
+    return "import sys\ntoken_ids = list(range(160))\n" + code + "print('RESULT', n, loaded)\n"
+
+
+def _small_example_config(tmp_path: Path) -> Path:
+    """examples/cpu_file.yaml with capacities a test machine holds and its path in the test's directory."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "examples" / "cpu_file.yaml").read_text())
+    cfg["model"].update(num_layers=2, num_kv_heads=2, head_dim=64)
+    cfg["tiers"][0]["capacity"] = "4MiB"
+    cfg["tiers"][1].update(capacity="16MiB", path=str(tmp_path / "nvme"))
+    target = tmp_path / "examples" / "cpu_file.yaml"
+    target.parent.mkdir()
+    target.write_text(yaml.safe_dump(cfg))
+    return target
+
+
+def _run_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_readme_snippet_run_twice_is_warm_the_second_time(tmp_path: Path) -> None:
+    """Before: the example's blocks stayed in the CPU tier (write_back) and died with the process: the
+    second run found 0 blocks and the file tier held 0 files. Now close() writes them down."""
+    _small_example_config(tmp_path)
+    snippet = _readme_snippet()
+    first = _run_python(snippet, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "RESULT 0 0" in first.stdout
+    second = _run_python(snippet, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "RESULT 10 10" in second.stdout, second.stdout  # 160 tokens = 10 blocks, all warm
+    assert len(list((tmp_path / "nvme").rglob("*.kvb"))) == 10
+
+
+SIGTERM_CHILD = textwrap.dedent("""
+    import json, sys, time
+    from kvtier import TieredCache
+    from tests.reliability.conftest import blocks_for, universe
+
+    cache = TieredCache.from_config(json.loads(sys.argv[1]))
+    keys = universe(12, tag="sigterm")
+    assert cache.store(keys, blocks_for(keys)) == 12
+    print("stored", flush=True)
+    time.sleep(60)
+    print("not killed", flush=True)
+""")
+
+
+def test_sigterm_persists_memory_blocks_before_exiting(tmp_path: Path) -> None:
+    """A serving process stopped with SIGTERM (systemd, Kubernetes) keeps its CPU-tier blocks."""
+    import json
+
+    cfg = cache_config(file_dir=tmp_path / "files", cpu_blocks=16, file_blocks=32)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    child = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, json.dumps(cfg)], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "stored"
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGTERM, err[-3000:]  # it still dies of SIGTERM, as before
+    keys = universe(12, tag="sigterm")
+    with TieredCache.from_config(cfg) as cache:
+        assert cache.lookup(keys) == 12
+        out = torch.empty_like(blocks_for(keys))
+        assert cache.load(keys, out) == 12 and _same_bytes(out, blocks_for(keys))
+
+
+def test_persist_on_close_false_keeps_the_old_behaviour(tmp_path: Path) -> None:
+    cfg = cache_config(file_dir=tmp_path / "files", cpu_blocks=16, file_blocks=32)
+    cfg["placement"]["persist_on_close"] = False
+    keys = universe(6, tag="no-persist")
+    with TieredCache.from_config(cfg) as cache:
+        assert not cache.core.persist_on_close
+        assert cache.store(keys, blocks_for(keys)) == 6
+    with TieredCache.from_config(cfg) as cache:
+        assert cache.lookup(keys) == 0
+    assert not TieredCache.from_config(cache_config()).core.persist_on_close  # nothing persistent: off
+
+
+def test_persist_keeps_the_hottest_within_capacity_and_rewrites_nothing(tmp_path: Path) -> None:
+    """More CPU blocks than the file tier holds: the hottest are kept, the file tier stays within its
+    capacity. With write_through every block is on disk already: close() writes nothing."""
+    cfg = cache_config(file_dir=tmp_path / "files", cpu_blocks=16, file_blocks=4)
+    keys = universe(10, tag="persist-capacity")
+    with TieredCache.from_config(cfg) as cache:
+        for key in keys:
+            assert cache.store([key], blocks_for([key])) == 1
+        assert cache.load(keys[:2], torch.empty_like(blocks_for(keys[:2]))) == 2  # the hottest two
+    with TieredCache.from_config(cfg) as cache:
+        held = set(cache.core.tiers[1].keys())
+        assert len(held) == 4 and set(keys[:2]) <= held, held
+        out = torch.empty_like(blocks_for(keys[:2]))
+        assert cache.load(keys[:2], out) == 2 and _same_bytes(out, blocks_for(keys[:2]))
+
+    through = cache_config(file_dir=tmp_path / "through", cpu_blocks=16, file_blocks=16, write_mode="write_through")
+    cache = TieredCache.from_config(through)
+    assert cache.store(keys, blocks_for(keys)) == 10
+    before = tier_stats(cache, "file").blocks_written
+    cache.close()
+    assert before == 10 and tier_stats(cache, "file").blocks_written == 10
+
+
+def test_persist_stops_at_its_budget(redis_servers: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A slow persistent tier (every Redis reply held 20 ms) and a 0.3 s budget: close() takes about the
+    budget, says so, and what it wrote is intact."""
+    server = redis_servers()
+    proxy = FaultProxy(("127.0.0.1", server.port), mode="slow", delay=0.02)
+    with proxy:
+        cfg = cache_config(cpu_blocks=64, redis=redis_options(proxy.url, timeout=2.0, connect_timeout=2.0))
+        cfg["placement"]["persist_budget_seconds"] = 0.3
+        keys = universe(64, tag="budget")
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            cache = TieredCache.from_config(cfg)
+            assert cache.store(keys, blocks_for(keys)) == 64
+            start = time.monotonic()
+            cache.close()
+            closing = time.monotonic() - start
+        persisted = tier_stats(cache, "redis").blocks_written
+    assert 0 < persisted < 64 and closing < 0.3 + 2.5, (persisted, closing)
+    assert any("budget of 0.3 s ran out" in r.getMessage() for r in caplog.records)
