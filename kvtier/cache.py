@@ -258,7 +258,9 @@ class AsyncTieredCache:
                 with self._admitting_all(target):
                     plan = self._plan_store(missing, [InsertHint(position=i) for i in range(len(missing))],
                                             only_tier=target)
-                done = await self._execute(plan, missing, self.tiers[src].views(missing))
+                views = self.tiers[src].views(missing)
+                host = [v if v.device.type == "cpu" else v.cpu() for v in views]  # GPU slabs: via host memory
+                done = await self._execute(plan, missing, host)
             counts[0] += len(done)
 
     @contextlib.contextmanager
@@ -415,10 +417,13 @@ class AsyncTieredCache:
         return where
 
     def release(self, keys: Sequence[BlockKey], where: Sequence[int | None]) -> None:
-        """Drop the pins :meth:`lease` took (``where`` is what it returned); thread-safe."""
+        """Drop the pins :meth:`lease` took (``where`` is what it returned); thread-safe.
+
+        The one call that does not raise :class:`CacheClosed` after close: it has nothing left to do."""
         indexes = self.residency.tiers
         with self._index_lock:
-            self._check_open()
+            if self._closed:
+                return  # pins die with the cache: an engine's shutdown path may still release them
             for key, t in zip(keys, where, strict=True):
                 if t is not None:
                     pins = indexes[t].pins  # TierIndex.unpin, inlined (hot path)
