@@ -39,10 +39,6 @@ _NAMESPACE = struct.Struct("<Q")
 _NAMESPACE_OFFSET = _FIXED.size + MAX_HASH_BYTES
 
 
-def namespace_fingerprint(namespace: str) -> int:
-    """The 64-bit fingerprint a tier writes into every header it stores under ``namespace``."""
-    return xxhash.xxh3_64_intdigest(b"kvtier-namespace:" + namespace.encode())
-
 
 @dataclass(frozen=True)
 class BlockHeader:
@@ -100,7 +96,7 @@ def encode_block(key: BlockKey, layout_fp: int, raw: memoryview | np.ndarray, *,
                  compress: bool = False, shuffle_itemsize: int = 0) -> tuple[bytearray, memoryview]:
     """Return ``(header, payload)`` for ``raw`` block bytes; payload is ``raw`` itself when stored raw.
 
-    ``namespace_fp`` is :func:`namespace_fingerprint` of the tier's namespace (0: none).
+    ``namespace_fp`` is :func:`kvtier.hashing.namespace_fingerprint` of the tier's namespace (0: none).
 
     Two buffers instead of one so writers can ``writev``/pipeline them without concatenating 2 MiB.
     """

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvtier.codec import namespace_fingerprint
-
 #: Bytes of a kvtier-made block hash (xxh3-128).
 HASH_BYTES = 16
+
+
+def namespace_fingerprint(namespace: str) -> int:
+    """The 64-bit fingerprint a tier writes into every block header it stores under ``namespace`` (an id)."""
+    return xxhash.xxh3_64_intdigest(b"kvtier-namespace:" + namespace.encode())
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ def test_huge_claimed_length_is_rejected_before_allocation() -> None:
 @given(ours=st.text(min_size=1, max_size=40), theirs=st.text(min_size=1, max_size=40))
 def test_a_block_of_another_namespace_is_refused(ours: str, theirs: str) -> None:
     """The namespace fingerprint is in the (checksummed) header and checked on every read."""
-    from kvtier.codec import namespace_fingerprint
+    from kvtier.hashing import namespace_fingerprint
 
     raw = np.arange(256, dtype=np.uint8)
     buf = value(raw, namespace_fp=namespace_fingerprint(theirs))

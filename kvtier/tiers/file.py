@@ -68,10 +68,10 @@ from kvtier.codec import (
     decode_payload_into,
     encode_block,
     lz4_bound,
-    namespace_fingerprint,
     verify_payload,
 )
 from kvtier.errors import CorruptBlock, KVTierConfigError, LayoutMismatch, TierUnavailable
+from kvtier.hashing import namespace_fingerprint
 from kvtier.layout import BlockLayout
 from kvtier.logs import LogLimiter
 from kvtier.tiers.base import Tier

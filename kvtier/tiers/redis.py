@@ -81,11 +81,11 @@ from kvtier.codec import (
     decode_header,
     decode_payload_into,
     encode_block,
-    namespace_fingerprint,
     verify_payload,
 )
 from kvtier.config import redact_url
 from kvtier.errors import CorruptBlock, KVTierConfigError, LayoutMismatch
+from kvtier.hashing import namespace_fingerprint
 from kvtier.layout import BlockLayout
 from kvtier.logs import LogLimiter
 from kvtier.tiers.base import Tier
