@@ -773,8 +773,11 @@ def _length(value: object) -> str:
 
 # --- persisting on exit: caches still open at interpreter exit or on SIGTERM are closed (and persist) ---------
 _OPEN_CACHES: weakref.WeakSet[TieredCache] = weakref.WeakSet()
+#: caches whose close() started (maybe on the thread a SIGTERM interrupted): exit waits for their persist
+_CLOSING: dict[int, concurrent.futures.Future[None]] = {}
 _exit_hooks_lock = threading.Lock()
-_exit_hooks_installed = False
+_atexit_installed = False
+_sigterm_installed = False
 _previous_sigterm: Any = None
 
 
@@ -784,6 +787,9 @@ def _close_open_caches() -> None:
             cache.close()
         except Exception:
             log.exception("closing a cache at exit failed")
+    for closing in list(_CLOSING.values()):
+        with contextlib.suppress(Exception):
+            closing.result(timeout=INFLIGHT_GRACE_SECONDS * 2 + 60)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -800,14 +806,14 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _install_exit_hooks() -> None:
     """An ``atexit`` hook, and a SIGTERM handler when called on the main thread and SIGTERM is not ignored
     (a handler already there is called after ours). Once per process."""
-    global _exit_hooks_installed, _previous_sigterm
+    global _atexit_installed, _sigterm_installed, _previous_sigterm
     with _exit_hooks_lock:
-        if _exit_hooks_installed:
+        if not _atexit_installed:
+            _atexit_installed = True
+            atexit.register(_close_open_caches)
+        if _sigterm_installed or threading.current_thread() is not threading.main_thread():
             return
-        _exit_hooks_installed = True
-        atexit.register(_close_open_caches)
-        if threading.current_thread() is not threading.main_thread():
-            return
+        _sigterm_installed = True
         previous = signal.getsignal(signal.SIGTERM)
         if previous == signal.SIG_DFL or callable(previous):
             _previous_sigterm = previous
@@ -918,15 +924,17 @@ class TieredCache:
             if self._closed:
                 return
             self._closed = True
+        done = asyncio.run_coroutine_threadsafe(self.core.close(), self._loop)
+        _CLOSING[id(self)] = done
         _OPEN_CACHES.discard(self)
-        if self.metrics_server is not None:
-            self.metrics_server.close()
         try:
-            done = asyncio.run_coroutine_threadsafe(self.core.close(), self._loop)
+            if self.metrics_server is not None:
+                self.metrics_server.close()
             done.result(timeout=INFLIGHT_GRACE_SECONDS * 2 + self.core.persist_budget_seconds + 30)
         except concurrent.futures.TimeoutError:
             log.error("closing the cache did not finish in time; stopping its loop anyway")
         finally:
+            _CLOSING.pop(id(self), None)
             with self._state:
                 stranded = list(self._pending)
             for future in stranded:  # never started or never settled: the callers must not wait forever
