@@ -810,7 +810,10 @@ def _install_exit_hooks() -> None:
     with _exit_hooks_lock:
         if not _atexit_installed:
             _atexit_installed = True
-            atexit.register(_close_open_caches)
+            # threading's exit hooks run before concurrent.futures refuses new work at interpreter exit
+            # (the tiers' I/O threads are executors); plain atexit runs too late. Private, so optional.
+            register = getattr(threading, "_register_atexit", atexit.register)
+            register(_close_open_caches)
         if _sigterm_installed or threading.current_thread() is not threading.main_thread():
             return
         _sigterm_installed = True

@@ -617,6 +617,28 @@ def test_readme_snippet_run_twice_is_warm_the_second_time(tmp_path: Path) -> Non
     assert len(list((tmp_path / "nvme").rglob("*.kvb"))) == 10
 
 
+def test_a_cache_left_open_persists_at_interpreter_exit(tmp_path: Path) -> None:
+    """A script that never calls close() (or a `with`): the atexit hook closes the cache and persists."""
+    import json
+
+    cfg = cache_config(file_dir=tmp_path / "files", cpu_blocks=16, file_blocks=32)
+    code = textwrap.dedent("""
+        import json, sys
+        from kvtier import TieredCache
+        from tests.reliability.conftest import blocks_for, universe
+
+        cache = TieredCache.from_config(json.loads(sys.argv[1]))
+        keys = universe(5, tag="atexit")
+        assert cache.store(keys, blocks_for(keys)) == 5
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with TieredCache.from_config(cfg) as cache:
+        assert cache.lookup(universe(5, tag="atexit")) == 5
+
+
 SIGTERM_CHILD = textwrap.dedent("""
     import json, signal, sys, time
     from kvtier import TieredCache
