@@ -732,4 +732,8 @@ def test_persist_stops_at_its_budget(redis_servers: Any, caplog: pytest.LogCaptu
             closing = time.monotonic() - start
         persisted = tier_stats(cache, "redis").blocks_written
     assert 0 < persisted < 128 and closing < 0.6 + 2.5, (persisted, closing)
+    import redis
+
+    with redis.Redis.from_url(server.url) as client:  # a private server: only this test's blocks
+        assert len(client.keys("kvtier:*")) == persisted
     assert any("budget of 0.6 s ran out" in r.getMessage() for r in caplog.records)
