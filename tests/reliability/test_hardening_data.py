@@ -735,5 +735,8 @@ def test_persist_stops_at_its_budget(redis_servers: Any, caplog: pytest.LogCaptu
     import redis
 
     with redis.Redis.from_url(server.url) as client:  # a private server: only this test's blocks
-        assert len(client.keys("kvtier:*")) == persisted
+        held = len(client.keys("kvtier:*"))
+    # every acknowledged block is there; the batch the budget cut short may have landed a few more SETs
+    # (one in flight per connection) that were never acknowledged, as a put's contract allows
+    assert persisted <= held <= persisted + 16, (persisted, held)
     assert any("budget of 0.6 s ran out" in r.getMessage() for r in caplog.records)
