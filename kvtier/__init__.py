@@ -24,7 +24,7 @@ _EXPORTS = {
     "AsyncTieredCache": "kvtier.cache", "TieredCache": "kvtier.cache",
     "BlockKey": "kvtier.blocks", "KVCacheSpec": "kvtier.blocks", "KVGroup": "kvtier.blocks",
     "KVTierConfig": "kvtier.config", "load_config": "kvtier.config",
-    "CorruptBlock": "kvtier.errors", "KVTierConfigError": "kvtier.errors", "KVTierError": "kvtier.errors",
+    "CacheClosed": "kvtier.errors", "CorruptBlock": "kvtier.errors", "KVTierConfigError": "kvtier.errors", "KVTierError": "kvtier.errors",
     "LayoutMismatch": "kvtier.errors", "TierUnavailable": "kvtier.errors",
     "Namespace": "kvtier.hashing", "hash_token_blocks": "kvtier.hashing",
     "BlockLayout": "kvtier.layout", "PerLayerKind": "kvtier.layout", "PerLayerLayout": "kvtier.layout",
@@ -32,7 +32,7 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "AsyncTieredCache", "BlockKey", "BlockLayout", "CorruptBlock", "InsertHint", "KVCacheSpec", "KVGroup",
+    "AsyncTieredCache", "BlockKey", "BlockLayout", "CacheClosed", "CorruptBlock", "InsertHint", "KVCacheSpec", "KVGroup",
     "KVTierConfig", "KVTierConfigError", "KVTierError", "LayoutMismatch", "Namespace", "PerLayerKind",
     "PerLayerLayout", "TierUnavailable", "TieredCache", "hash_token_blocks", "load_config",
 ]
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from kvtier.blocks import BlockKey, KVCacheSpec, KVGroup
     from kvtier.cache import AsyncTieredCache, TieredCache
     from kvtier.config import KVTierConfig, load_config
-    from kvtier.errors import CorruptBlock, KVTierConfigError, KVTierError, LayoutMismatch, TierUnavailable
+    from kvtier.errors import CacheClosed, CorruptBlock, KVTierConfigError, KVTierError, LayoutMismatch, TierUnavailable
     from kvtier.hashing import Namespace, hash_token_blocks
     from kvtier.layout import BlockLayout, PerLayerKind, PerLayerLayout
     from kvtier.policy import InsertHint

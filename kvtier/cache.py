@@ -20,22 +20,29 @@ is loadable, and reports blocks that left every tier).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import contextlib
+import functools
 import logging
+import os
+import signal
 import threading
 import time
-from collections.abc import Container, Coroutine, Iterable, Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
 from kvtier.blocks import BlockKey, KVCacheSpec
 from kvtier.codec import MAX_HASH_BYTES
-from kvtier.errors import KVTierConfigError, LayoutMismatch
+from kvtier.errors import CacheClosed, KVTierConfigError, LayoutMismatch
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats, TierActivity, TierStats
 from kvtier.policy import InsertHint
+from kvtier.policy.admission import AdmitAll
 from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import aligned_empty
@@ -45,6 +52,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
+#: Seconds ``close()`` lets calls already in flight finish before it cuts them short with CacheClosed.
+INFLIGHT_GRACE_SECONDS = 10.0
 
 Blocks = torch.Tensor | Sequence[torch.Tensor]
 
@@ -65,11 +75,37 @@ class ResidencyWatcher(Protocol):
     def blocks_removed(self, keys: Sequence[BlockKey]) -> None: ...
 
 
+def _operation(method: Callable[Concatenate[AsyncTieredCache, P], Awaitable[T]]
+               ) -> Callable[Concatenate[AsyncTieredCache, P], Coroutine[Any, Any, T]]:
+    """A public coroutine of the cache: refused once closed, and known to ``close()`` while in flight."""
+
+    @functools.wraps(method)
+    async def tracked(self: AsyncTieredCache, *args: P.args, **kwargs: P.kwargs) -> T:
+        self._check_open()
+        task = asyncio.current_task()
+        ops = self._operations
+        ops[task] = ops.get(task, 0) + 1
+        try:
+            return await method(self, *args, **kwargs)
+        except asyncio.CancelledError:
+            if task in self._cut_short:
+                raise CacheClosed(f"the cache was closed while this {method.__name__} was in flight "
+                                  f"(it did not finish within {INFLIGHT_GRACE_SECONDS:g} s)") from None
+            raise
+        finally:
+            count = ops.pop(task, 1) - 1
+            if count:
+                ops[task] = count
+
+    return tracked
+
+
 class AsyncTieredCache:
     """The async core. Create with :meth:`from_config` (or directly), then ``await start()``."""
 
     def __init__(self, spec: KVCacheSpec, tiers: Sequence[Tier], residency: Residency,
-                 namespace: Namespace | None = None) -> None:
+                 namespace: Namespace | None = None, *, persist_on_close: bool | None = None,
+                 persist_budget_seconds: float = 10.0) -> None:
         if len(tiers) != len(residency.tiers):
             raise ValueError(f"{len(tiers)} tiers but an index for {len(residency.tiers)}")
         self.spec = spec
@@ -78,6 +114,7 @@ class AsyncTieredCache:
         self.namespace = namespace
         self.layouts = {g.group_id: g.layout for g in spec.groups}
         self._activity = [TierActivity() for _ in self.tiers]
+        self._capacity_seen = [tier.capacity_version for tier in self.tiers]
         self._remote = [t for t, tier in enumerate(self.tiers) if tier.self_evicting]
         self._mutation: asyncio.Lock | None = None
         self._index_lock = threading.Lock()
@@ -85,6 +122,17 @@ class AsyncTieredCache:
         self._counts = dict(lookups=0, lookup_blocks=0, lookup_hit_blocks=0, loads=0, load_blocks=0,
                             loaded_blocks=0, stored_blocks=0)
         self._started = False
+        self._closed = False
+        #: write the memory tiers' blocks down to the persistent tier below on close (default: when there
+        #: is one, i.e. a file or Redis tier), within ``persist_budget_seconds``
+        self.persist_on_close = (any(not tier.addressable for tier in self.tiers) if persist_on_close is None
+                                 else persist_on_close)
+        self.persist_budget_seconds = persist_budget_seconds
+        #: tasks inside a public coroutine now (with their nesting count), and those close() cancelled
+        self._operations: dict[asyncio.Task[Any] | None, int] = {}
+        self._cut_short: set[asyncio.Task[Any] | None] = set()
+        #: threads inside read_leased now (it copies out of memory tiers that close() releases)
+        self._leased_reads = 0
         #: (address, port) of the Prometheus endpoint the blocking face should serve, if any
         self.metrics_endpoint: tuple[str, int] | None = None
 
@@ -95,7 +143,8 @@ class AsyncTieredCache:
 
         cfg = config if hasattr(config, "tiers") and not isinstance(config, dict) else load_config(config)
         spec, tiers, residency, namespace = build_cache_parts(cfg)
-        core = cls(spec, tiers, residency, namespace)
+        core = cls(spec, tiers, residency, namespace, persist_on_close=cfg.placement.persist_on_close,
+                   persist_budget_seconds=cfg.placement.persist_budget_seconds)
         if cfg.metrics.port is not None:
             core.metrics_endpoint = (cfg.metrics.address, cfg.metrics.port)
         return core
@@ -103,6 +152,7 @@ class AsyncTieredCache:
     # --- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Index what the persistent tiers already hold (a restart keeps a warm cache). Idempotent."""
+        self._check_open()
         if self._started:
             return
         self._started = True
@@ -125,12 +175,128 @@ class AsyncTieredCache:
                 log.info("tier %s holds %d blocks beyond its capacity; deleting them", tier.name, len(surplus))
                 await self._safe_delete(t, surplus)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self) -> None:
+        """Close the cache: later calls raise :class:`CacheClosed`; then close the tiers. Idempotent.
+
+        Calls already in flight (other tasks, or other threads through :class:`TieredCache`) finish
+        first; one still running after ``INFLIGHT_GRACE_SECONDS`` is cancelled and raises
+        :class:`CacheClosed` to its caller, so no caller waits forever and no tier is closed under a call.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        await self._settle_operations()
+        if self.persist_on_close and self._started:
+            await self.persist(self.persist_budget_seconds)
         for tier in self.tiers:
             try:
                 await tier.close()
             except Exception:
                 log.exception("closing tier %s failed", tier.name)
+
+    async def persist(self, budget_seconds: float) -> int:
+        """Write the memory tiers' blocks to the first persistent tier below them; return how many.
+
+        Called by :meth:`close` (``placement.persist_on_close``) so that a clean restart — or a SIGTERM,
+        see :class:`TieredCache` — comes back warm even with ``write_back``, which writes a block down
+        only when it is evicted. Hottest blocks first; blocks a persistent tier already holds are
+        skipped; the target's admission policy is bypassed (shutdown is the last chance), its eviction
+        is not. Stops when ``budget_seconds`` run out (logged). Never raises for I/O.
+        """
+        start = time.monotonic()
+        counts = [0, 0]  # written, already persistent
+
+        async def every_tier() -> None:
+            for src, target in self._persist_pairs():
+                await self._persist_tier(src, target, counts)
+
+        try:
+            await asyncio.wait_for(every_tier(), budget_seconds)
+        except asyncio.TimeoutError:
+            log.warning("persist on close: the budget of %g s ran out after %d blocks (raise "
+                        "placement.persist_budget_seconds to keep more across restarts)", budget_seconds, counts[0])
+        except Exception:
+            log.exception("persist on close failed after %d blocks", counts[0])
+        if any(counts):
+            log.info("persist on close: %d blocks written down, %d already persistent, in %.2f s",
+                     counts[0], counts[1], time.monotonic() - start)
+        return counts[0]
+
+    def _persist_pairs(self) -> list[tuple[int, int]]:
+        """(memory tier, the first persistent tier below it) for every memory tier above a persistent one."""
+        pairs = []
+        for src, tier in enumerate(self.tiers):
+            if not tier.addressable:
+                continue
+            below = [t for t in range(src + 1, len(self.tiers)) if not self.tiers[t].addressable]
+            if below:
+                pairs.append((src, below[0]))
+        return pairs
+
+    async def _persist_tier(self, src: int, target: int, counts: list[int], batch: int = 32) -> None:
+        index = self.residency.tiers[src]
+        with self._index_lock:
+            keys = [key for gid, policy in index.policies.items()
+                    for key in reversed(policy.victims(len(policy), ())) if index.is_ready(key)]
+        lower = [t for t in range(src + 1, len(self.tiers)) if not self.tiers[t].addressable]
+        assert self._mutation is not None
+        for first in range(0, len(keys), batch):
+            chunk = keys[first:first + batch]
+            missing = [k for k in chunk if not any(k in self.residency.tiers[t] for t in lower)]
+            for t in lower:
+                if self.tiers[t].self_evicting and missing:
+                    there = await self._safe_io(t, "contains", missing)
+                    missing = [k for k, present in zip(missing, there, strict=True) if not present]
+            counts[1] += len(chunk) - len(missing)
+            if not missing:
+                continue
+            async with self._mutation:
+                with self._admitting_all(target):
+                    plan = self._plan_store(missing, [InsertHint(position=i) for i in range(len(missing))],
+                                            only_tier=target)
+                views = self.tiers[src].views(missing)
+                host = [v if v.device.type == "cpu" else v.cpu() for v in views]  # GPU slabs: via host memory
+                done = await self._execute(plan, missing, host)
+            counts[0] += len(done)
+
+    @contextlib.contextmanager
+    def _admitting_all(self, t: int) -> Iterator[None]:
+        admissions = self.residency.placement.admission
+        if not isinstance(admissions, list):
+            yield
+            return
+        saved, admissions[t] = admissions[t], AdmitAll()
+        try:
+            yield
+        finally:
+            admissions[t] = saved
+
+    async def _settle_operations(self) -> None:
+        """Wait for in-flight calls (bounded), then cancel the stragglers and wait for them to unwind."""
+        me = asyncio.current_task()
+        deadline = time.monotonic() + INFLIGHT_GRACE_SECONDS
+
+        def busy() -> bool:
+            return any(task is not me for task in self._operations) or self._leased_reads > 0
+
+        while busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        stragglers = [task for task in self._operations if task is not None and task is not me]
+        if stragglers:
+            log.warning("closing the cache: %d calls still in flight after %g s are cut short",
+                        len(stragglers), INFLIGHT_GRACE_SECONDS)
+            self._cut_short.update(stragglers)
+            for task in stragglers:
+                task.cancel()
+            await asyncio.wait(stragglers, timeout=INFLIGHT_GRACE_SECONDS)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosed("the cache is closed")
 
     async def __aenter__(self) -> AsyncTieredCache:
         await self.start()
@@ -140,6 +306,7 @@ class AsyncTieredCache:
         await self.close()
 
     # --- public API -----------------------------------------------------------------------------------
+    @_operation
     async def lookup(self, keys: Sequence[BlockKey]) -> int:
         """Number of leading ``keys`` cached in some tier. Reads no block data; never raises for I/O."""
         await self.start()
@@ -150,6 +317,7 @@ class AsyncTieredCache:
         self._counts["lookup_hit_blocks"] += len(found)
         return len(found)
 
+    @_operation
     async def load(self, keys: Sequence[BlockKey], out: Blocks) -> int:
         """Fill ``out`` with the leading cached blocks of ``keys``; return how many are valid.
 
@@ -202,6 +370,7 @@ class AsyncTieredCache:
         await self._promote(keys[:loaded], where[:loaded], buffers[:loaded])
         return loaded
 
+    @_operation
     async def store(self, keys: Sequence[BlockKey], blocks: Blocks,
                     hints: Sequence[InsertHint] | None = None) -> int:
         """Store blocks (already cached keys are only touched); return how many are now cached.
@@ -236,6 +405,7 @@ class AsyncTieredCache:
         where: list[int | None] = []
         append = where.append
         with self._index_lock:
+            self._check_open()
             for key in keys:
                 for t, entries, pins in candidates:
                     if entries.get(key) == READY:
@@ -247,9 +417,13 @@ class AsyncTieredCache:
         return where
 
     def release(self, keys: Sequence[BlockKey], where: Sequence[int | None]) -> None:
-        """Drop the pins :meth:`lease` took (``where`` is what it returned); thread-safe."""
+        """Drop the pins :meth:`lease` took (``where`` is what it returned); thread-safe.
+
+        The one call that does not raise :class:`CacheClosed` after close: it has nothing left to do."""
         indexes = self.residency.tiers
         with self._index_lock:
+            if self._closed:
+                return  # pins die with the cache: an engine's shutdown path may still release them
             for key, t in zip(keys, where, strict=True):
                 if t is not None:
                     pins = indexes[t].pins  # TierIndex.unpin, inlined (hot path)
@@ -271,11 +445,20 @@ class AsyncTieredCache:
         buffers = self._byte_blocks(keys, out, "out")
         by_tier: dict[int, list[int]] = {}
         with self._index_lock:
+            self._check_open()
             for i, (key, t) in enumerate(zip(keys, where, strict=True)):
                 index = self.residency.tiers[t]
                 if not self.tiers[t].addressable or key not in index.pins or not index.is_ready(key):
                     raise ValueError(f"{key} is not leased in memory tier {self.tiers[t].name}")
                 by_tier.setdefault(t, []).append(i)
+            self._leased_reads += 1
+        try:
+            self._copy_leased(keys, buffers, by_tier)
+        finally:
+            with self._index_lock:
+                self._leased_reads -= 1
+
+    def _copy_leased(self, keys: Sequence[BlockKey], buffers: list[torch.Tensor], by_tier: dict[int, list[int]]) -> None:
         for t, idx in by_tier.items():
             start = time.perf_counter()
             for i, view in zip(idx, self.tiers[t].views([keys[i] for i in idx]), strict=True):
@@ -300,6 +483,7 @@ class AsyncTieredCache:
     def add_watcher(self, watcher: ResidencyWatcher) -> None:
         """Tell ``watcher`` of index changes from now on, after reporting every indexed key to it once."""
         with self._index_lock:
+            self._check_open()
             self._watchers.append(watcher)
             known: set[BlockKey] = set()
             for index in self.residency.tiers:
@@ -486,9 +670,31 @@ class AsyncTieredCache:
                         self._activity[t].failed_stores += 1
                 self._changed(keys[i] for i in idx)
             self._report_removed((k for drops in plan.drops for k in drops), copied)
+        for t, tier in enumerate(self.tiers):
+            if tier.capacity_version != self._capacity_seen[t]:
+                await self._follow_capacity(t)
         if refused is not None:
             raise refused
         return sorted(stored)
+
+    async def _follow_capacity(self, t: int) -> None:
+        """A tier changed its own capacity (a full disk): index it, and evict what no longer fits.
+
+        Runs under the mutation lock, after a plan's writes settled: no entry is pending then."""
+        tier, index = self.tiers[t], self.residency.tiers[t]
+        self._capacity_seen[t] = tier.capacity_version
+        surplus: list[BlockKey] = []
+        with self._index_lock:
+            index.capacity.update(tier.capacity_bytes)
+            for gid in index.capacity:
+                for victim in index.victims_for(gid, 0) or ():
+                    index.discard(victim)
+                    surplus.append(victim)
+            self._changed(surplus)
+            self._report_removed(surplus)
+        if surplus:
+            self._activity[t].evictions += len(surplus)
+            await self._safe_delete(t, surplus)
 
     async def _demote(self, src: int, moves: list[tuple[BlockKey, int]]) -> list[BlockKey]:
         """Copy evicted blocks from ``src`` to their lower tiers (zero-copy when ``src`` is memory).
@@ -539,13 +745,8 @@ class AsyncTieredCache:
             tier.counters.error(type(exc).__name__)
             log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
             return [False] * len(keys)
-        elapsed = time.perf_counter() - start
-        self._activity[t].observe(op, elapsed)
-        if op == "get":
-            tier.counters.read_seconds += elapsed
-        elif op == "put":
-            tier.counters.write_seconds += elapsed
-        return result
+        self._activity[t].observe(op, time.perf_counter() - start)
+        return result  # the tier counts its own bytes and seconds (TierCounters): one owner per counter
 
     async def _safe_delete(self, t: int, keys: list[BlockKey]) -> None:
         tier = self.tiers[t]
@@ -570,6 +771,58 @@ def _length(value: object) -> str:
         return "-"
 
 
+# --- persisting on exit: caches still open at interpreter exit or on SIGTERM are closed (and persist) ---------
+_OPEN_CACHES: weakref.WeakSet[TieredCache] = weakref.WeakSet()
+#: caches whose close() started (maybe on the thread a SIGTERM interrupted): exit waits for their persist
+_CLOSING: dict[int, concurrent.futures.Future[None]] = {}
+_exit_hooks_lock = threading.Lock()
+_atexit_installed = False
+_sigterm_installed = False
+_previous_sigterm: Any = None
+
+
+def _close_open_caches() -> None:
+    for cache in list(_OPEN_CACHES):
+        try:
+            cache.close()
+        except Exception:
+            log.exception("closing a cache at exit failed")
+    for closing in list(_CLOSING.values()):
+        with contextlib.suppress(Exception):
+            closing.result(timeout=INFLIGHT_GRACE_SECONDS * 2 + 60)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Close (and so persist) every open cache, then do what SIGTERM did before kvtier hooked it."""
+    log.warning("SIGTERM: closing %d open kvtier caches (persist_on_close) before exiting", len(_OPEN_CACHES))
+    _close_open_caches()
+    if callable(_previous_sigterm):
+        _previous_sigterm(signum, frame)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_exit_hooks() -> None:
+    """An ``atexit`` hook, and a SIGTERM handler when called on the main thread and SIGTERM is not ignored
+    (a handler already there is called after ours). Once per process."""
+    global _atexit_installed, _sigterm_installed, _previous_sigterm
+    with _exit_hooks_lock:
+        if not _atexit_installed:
+            _atexit_installed = True
+            # threading's exit hooks run before concurrent.futures refuses new work at interpreter exit
+            # (the tiers' I/O threads are executors); plain atexit runs too late. Private, so optional.
+            register = getattr(threading, "_register_atexit", atexit.register)
+            register(_close_open_caches)
+        if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+            return
+        _sigterm_installed = True
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous == signal.SIG_DFL or callable(previous):
+            _previous_sigterm = previous
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 class TieredCache:
     """Blocking face of :class:`AsyncTieredCache`; its coroutines run on a private loop thread.
 
@@ -584,7 +837,14 @@ class TieredCache:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-loop", daemon=True)
         self._thread.start()
         self._closed = False
+        # orders submissions with close(): none is submitted after it (re-entrant: close() may run in a
+        # SIGTERM handler on a thread that was inside _submit)
+        self._state = threading.RLock()
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         self._call(core.start())
+        if core.persist_on_close:
+            _OPEN_CACHES.add(self)
+            _install_exit_hooks()
         self.metrics_server: MetricsServer | None = None
         if core.metrics_endpoint is not None:
             from kvtier.prometheus import MetricsServer
@@ -645,23 +905,47 @@ class TieredCache:
         self.core.add_watcher(watcher)
 
     def stats(self) -> CacheStats:
+        """A snapshot of the counters; still answers after :meth:`close` (the final figures)."""
+        if self._closed:
+            return self.core.stats()
         return self._call(self._snapshot())
 
     async def _snapshot(self) -> CacheStats:
         return self.core.stats()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        if self._closed:
-            return
-        if self.metrics_server is not None:
-            self.metrics_server.close()
-        try:
-            self._call(self.core.close())
-        finally:
+        """Close the cache (see :meth:`AsyncTieredCache.close`); thread-safe and idempotent.
+
+        Calls in flight on other threads finish, or raise :class:`CacheClosed` if they are cut short;
+        every later call raises :class:`CacheClosed` (``stats()`` still answers, with the final figures).
+        """
+        with self._state:
+            if self._closed:
+                return
             self._closed = True
+        done = asyncio.run_coroutine_threadsafe(self.core.close(), self._loop)
+        _CLOSING[id(self)] = done
+        _OPEN_CACHES.discard(self)
+        try:
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+            done.result(timeout=INFLIGHT_GRACE_SECONDS * 2 + self.core.persist_budget_seconds + 30)
+        except concurrent.futures.TimeoutError:
+            log.error("closing the cache did not finish in time; stopping its loop anyway")
+        finally:
+            _CLOSING.pop(id(self), None)
+            with self._state:
+                stranded = list(self._pending)
+            for future in stranded:  # never started or never settled: the callers must not wait forever
+                future.cancel()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
-            self._loop.close()
+            if not self._thread.is_alive():
+                self._loop.close()
 
     def __enter__(self) -> TieredCache:
         return self
@@ -670,13 +954,24 @@ class TieredCache:
         self.close()
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        if self._closed:
-            coro.close()
-            raise RuntimeError("TieredCache is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        with self._state:
+            if self._closed:
+                coro.close()
+                raise CacheClosed("TieredCache is closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._pending.add(future)
+        future.add_done_callback(self._settled)
+        return future
+
+    def _settled(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._state:
+            self._pending.discard(future)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._submit(coro).result()
+        try:
+            return self._submit(coro).result()
+        except concurrent.futures.CancelledError:
+            raise CacheClosed("TieredCache was closed while this call was in flight") from None
 
 
 __all__ = ["AsyncTieredCache", "ResidencyWatcher", "TieredCache"]

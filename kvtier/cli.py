@@ -187,6 +187,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         if config is None:
             config = default_config(workdir)
+            if temporary:  # the directory is deleted afterwards: writing memory blocks down would be wasted
+                config["placement"]["persist_on_close"] = False
         try:
             cache = TieredCache.from_config(config)
         except KVTierConfigError as exc:

@@ -1,8 +1,10 @@
 """Block (de)serialisation for every tier outside process memory: header, checksum, optional lz4.
 
 A stored block is ``header ‖ payload``. The header is self-describing (magic, version, layout
-fingerprint, key, lengths, checksum) so a reader can tell, before trusting a single payload byte,
-that the value is a complete kvtier block of the expected key and layout. The checksum (xxh3-64)
+fingerprint, namespace fingerprint, key, lengths, checksum) so a reader can tell, before trusting a
+single payload byte, that the value is a complete kvtier block of the expected key, layout and
+namespace — a block of another model of the same shape, or of another tensor-parallel rank (engine
+hashes are equal on every rank), that lands under our key name is refused, not served. The checksum (xxh3-64)
 covers the header and the stored payload. Any mismatch raises :class:`CorruptBlock`, which tiers
 turn into a miss. Lengths are validated against the expected layout before anything is allocated.
 """
@@ -20,7 +22,8 @@ from kvtier.blocks import BlockKey
 from kvtier.errors import CorruptBlock
 
 MAGIC = b"KVTB"
-VERSION = 1
+#: 2: the namespace fingerprint joined the header (version-1 blocks are refused, i.e. misses).
+VERSION = 2
 FLAG_LZ4 = 1
 FLAG_SHUFFLE = 2
 MAX_HASH_BYTES = 64
@@ -28,15 +31,20 @@ MAX_HASH_BYTES = 64
 MIN_COMPRESSION_RATIO = 1.05
 
 _FIXED = struct.Struct("<4sHHQIHHQQQ")
-#: Bytes of every header: the fixed fields, the block hash (padded) and reserved space.
+#: Bytes of every header: the fixed fields, the block hash (padded), the namespace fingerprint and
+#: reserved space.
 HEADER_SIZE = 128
 _CHECKSUM_OFFSET = _FIXED.size - 8
+_NAMESPACE = struct.Struct("<Q")
+_NAMESPACE_OFFSET = _FIXED.size + MAX_HASH_BYTES
+
 
 
 @dataclass(frozen=True)
 class BlockHeader:
     key: BlockKey
     layout_fingerprint: int
+    namespace_fingerprint: int
     flags: int
     raw_len: int
     payload_len: int
@@ -47,7 +55,7 @@ class BlockHeader:
         return bool(self.flags & FLAG_LZ4)
 
 
-def _pack_header(key: BlockKey, layout_fp: int, flags: int, raw_len: int, payload_len: int,
+def _pack_header(key: BlockKey, layout_fp: int, namespace_fp: int, flags: int, raw_len: int, payload_len: int,
                  checksum: int) -> bytearray:
     if len(key.block_hash) > MAX_HASH_BYTES:
         raise ValueError(f"block hash of {len(key.block_hash)} bytes exceeds {MAX_HASH_BYTES}")
@@ -55,6 +63,7 @@ def _pack_header(key: BlockKey, layout_fp: int, flags: int, raw_len: int, payloa
     _FIXED.pack_into(buf, 0, MAGIC, VERSION, flags, layout_fp, key.group_id, len(key.block_hash), 0,
                      raw_len, payload_len, checksum)
     buf[_FIXED.size:_FIXED.size + len(key.block_hash)] = key.block_hash
+    _NAMESPACE.pack_into(buf, _NAMESPACE_OFFSET, namespace_fp)
     return buf
 
 
@@ -83,9 +92,11 @@ def unshuffle_bytes_into(shuffled: bytes | memoryview, itemsize: int, out: np.nd
     out.reshape(-1, itemsize)[...] = src.T
 
 
-def encode_block(key: BlockKey, layout_fp: int, raw: memoryview | np.ndarray, *, compress: bool = False,
-                 shuffle_itemsize: int = 0) -> tuple[bytearray, memoryview]:
+def encode_block(key: BlockKey, layout_fp: int, raw: memoryview | np.ndarray, *, namespace_fp: int = 0,
+                 compress: bool = False, shuffle_itemsize: int = 0) -> tuple[bytearray, memoryview]:
     """Return ``(header, payload)`` for ``raw`` block bytes; payload is ``raw`` itself when stored raw.
+
+    ``namespace_fp`` is :func:`kvtier.hashing.namespace_fingerprint` of the tier's namespace (0: none).
 
     Two buffers instead of one so writers can ``writev``/pipeline them without concatenating 2 MiB.
     """
@@ -102,14 +113,15 @@ def encode_block(key: BlockKey, layout_fp: int, raw: memoryview | np.ndarray, *,
         if len(packed) * MIN_COMPRESSION_RATIO <= raw_len:
             payload = memoryview(packed)
             flags = FLAG_LZ4 | (FLAG_SHUFFLE if shuffled else 0)
-    header = _pack_header(key, layout_fp, flags, raw_len, payload.nbytes, 0)
+    header = _pack_header(key, layout_fp, namespace_fp, flags, raw_len, payload.nbytes, 0)
     checksum = _checksum(header, payload)
     struct.pack_into("<Q", header, _CHECKSUM_OFFSET, checksum)
     return header, payload
 
 
 def decode_header(buf: bytes | bytearray | memoryview, *, expected_key: BlockKey | None = None,
-                  expected_layout: int | None = None, expected_raw_len: int | None = None) -> BlockHeader:
+                  expected_layout: int | None = None, expected_raw_len: int | None = None,
+                  expected_namespace: int | None = None) -> BlockHeader:
     """Parse and validate a header; raise :class:`CorruptBlock` naming what is wrong."""
     view = memoryview(buf).cast("B")
     if view.nbytes < HEADER_SIZE:
@@ -127,12 +139,16 @@ def decode_header(buf: bytes | bytearray | memoryview, *, expected_key: BlockKey
         raise CorruptBlock(f"header names {key}, expected {expected_key}")
     if expected_layout is not None and layout_fp != expected_layout:
         raise CorruptBlock(f"layout fingerprint {layout_fp:016x} differs from expected {expected_layout:016x}")
+    (namespace_fp,) = _NAMESPACE.unpack_from(view, _NAMESPACE_OFFSET)
+    if expected_namespace is not None and namespace_fp != expected_namespace:
+        raise CorruptBlock(f"block of another namespace (fingerprint {namespace_fp:016x}, expected "
+                           f"{expected_namespace:016x}): another model or tensor-parallel rank")
     if expected_raw_len is not None and raw_len != expected_raw_len:
         raise CorruptBlock(f"header claims {raw_len} raw bytes, layout has {expected_raw_len}")
     compressed = bool(flags & FLAG_LZ4)
     if (not compressed and payload_len != raw_len) or payload_len > lz4_bound(raw_len):
         raise CorruptBlock(f"payload length {payload_len} impossible for {raw_len} raw bytes")
-    return BlockHeader(key, layout_fp, flags, raw_len, payload_len, checksum)
+    return BlockHeader(key, layout_fp, namespace_fp, flags, raw_len, payload_len, checksum)
 
 
 def lz4_bound(raw_len: int) -> int:
@@ -174,11 +190,11 @@ def decode_payload_into(header: BlockHeader, payload: bytes | bytearray | memory
 
 
 def decode_block_into(value: bytes | bytearray | memoryview, out: np.ndarray, *, expected_key: BlockKey,
-                      expected_layout: int, itemsize: int) -> None:
+                      expected_layout: int, itemsize: int, expected_namespace: int | None = None) -> None:
     """Validate a whole ``header ‖ payload`` value and write its raw bytes into ``out``."""
     view = memoryview(value).cast("B")
     header = decode_header(view, expected_key=expected_key, expected_layout=expected_layout,
-                           expected_raw_len=out.nbytes)
+                           expected_raw_len=out.nbytes, expected_namespace=expected_namespace)
     if view.nbytes != HEADER_SIZE + header.payload_len:
         raise CorruptBlock(f"value of {view.nbytes} bytes, header says {HEADER_SIZE + header.payload_len}")
     payload = view[HEADER_SIZE:]

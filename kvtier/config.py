@@ -303,6 +303,9 @@ class PlacementConfig(_Strict):
     promote_to: int = Field(default=0, ge=0)
     keep_lower_copy: bool = True
     admission_history: int = Field(default=65536, gt=0)
+    #: write memory-tier blocks down to the persistent tier on close() and SIGTERM (None: when one exists)
+    persist_on_close: bool | None = None
+    persist_budget_seconds: float = Field(default=10.0, gt=0)
 
 
 class MetricsConfig(_Strict):
@@ -568,7 +571,7 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
         try:
             return FileTier(name, layouts, split_capacity(tc.capacity, spec), root=root, namespace=namespace.id,
                             compression=tc.compression, direct_io=tc.direct_io, io_threads=tc.io_threads,
-                            fsync=tc.fsync)
+                            fsync=tc.fsync, namespace_fp=namespace.fingerprint)
         except KVTierConfigError as exc:  # e.g. a directory another user controls: keyed by this tier
             raise KVTierConfigError(f"{path}.{exc.path}", str(exc).removeprefix(f"{exc.path}: ")) from None
         except (OSError, TierUnavailable) as exc:
@@ -583,6 +586,7 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
 
     kwargs = {field: getattr(tc, field) for field in type(tc).model_fields if field not in ("type", "name", "admission")}
     try:
-        return RedisTier(name, layouts, {g: 0 for g in layouts}, namespace=namespace.id, **kwargs)
+        return RedisTier(name, layouts, {g: 0 for g in layouts}, namespace=namespace.id,
+                         namespace_fp=namespace.fingerprint, **kwargs)
     except TierUnavailable as exc:
         raise KVTierConfigError(path, f"a redis tier cannot start here: {exc}") from None

@@ -27,3 +27,7 @@ class TierUnavailable(KVTierError, RuntimeError):
 
 class CorruptBlock(KVTierError):
     """A stored block failed validation (checksum, header, key or layout); it is treated as a miss."""
+
+
+class CacheClosed(KVTierError, RuntimeError):
+    """The cache was closed: every later call raises this, and so does a call that close() cut short."""

@@ -18,6 +18,11 @@ import xxhash
 HASH_BYTES = 16
 
 
+def namespace_fingerprint(namespace: str) -> int:
+    """The 64-bit fingerprint a tier writes into every block header it stores under ``namespace`` (an id)."""
+    return xxhash.xxh3_64_intdigest(b"kvtier-namespace:" + namespace.encode())
+
+
 @dataclass(frozen=True)
 class Namespace:
     """Who a block belongs to. Its :attr:`id` prefixes every key a tier stores."""
@@ -33,6 +38,11 @@ class Namespace:
         """16 hex digits, stable across processes and machines."""
         text = f"{self.model}|{self.dtype}|{self.layout_fingerprint:016x}|{self.tp_rank}/{self.tp_size}"
         return xxhash.xxh3_64_hexdigest(text.encode())
+
+    @property
+    def fingerprint(self) -> int:
+        """64 bits every stored block's header carries (:mod:`kvtier.codec`); checked on every read."""
+        return namespace_fingerprint(self.id)
 
     @property
     def salt(self) -> bytes:

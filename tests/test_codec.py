@@ -79,3 +79,40 @@ def test_huge_claimed_length_is_rejected_before_allocation() -> None:
     forged[32:40] = (1 << 60).to_bytes(8, "little")  # payload_len
     with pytest.raises(CorruptBlock):
         decode_header(forged, expected_raw_len=256)
+
+
+@settings(max_examples=50)
+@given(ours=st.text(min_size=1, max_size=40), theirs=st.text(min_size=1, max_size=40))
+def test_a_block_of_another_namespace_is_refused(ours: str, theirs: str) -> None:
+    """The namespace fingerprint is in the (checksummed) header and checked on every read."""
+    from kvtier.hashing import namespace_fingerprint
+
+    raw = np.arange(256, dtype=np.uint8)
+    buf = value(raw, namespace_fp=namespace_fingerprint(theirs))
+    out = np.empty(256, dtype=np.uint8)
+    if ours == theirs:
+        decode_block_into(buf, out, expected_key=KEY, expected_layout=LAYOUT, itemsize=2,
+                          expected_namespace=namespace_fingerprint(ours))
+        assert out.tobytes() == raw.tobytes()
+        assert decode_header(buf).namespace_fingerprint == namespace_fingerprint(theirs)
+    else:
+        with pytest.raises(CorruptBlock, match="another namespace"):
+            decode_block_into(buf, out, expected_key=KEY, expected_layout=LAYOUT, itemsize=2,
+                              expected_namespace=namespace_fingerprint(ours))
+
+
+def test_a_version_1_block_is_refused() -> None:
+    """Blocks written before the namespace joined the header carry no fingerprint: misses, not ours."""
+    buf = bytearray(value(np.arange(256, dtype=np.uint8)))
+    buf[4:6] = (1).to_bytes(2, "little")
+    with pytest.raises(CorruptBlock, match="version 1"):
+        decode(bytes(buf), 256)
+
+
+def test_namespace_fingerprint_follows_the_namespace_object() -> None:
+    from kvtier.hashing import Namespace
+
+    a = Namespace("m", "float16", 1, tp_rank=0, tp_size=2)
+    assert a.fingerprint == Namespace("m", "float16", 1, tp_rank=0, tp_size=2).fingerprint
+    assert len({a.fingerprint, Namespace("m", "float16", 1, tp_rank=1, tp_size=2).fingerprint,
+                Namespace("n", "float16", 1, tp_rank=0, tp_size=2).fingerprint}) == 3

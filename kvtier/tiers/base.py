@@ -31,7 +31,12 @@ log = logging.getLogger("kvtier.tiers")
 
 @dataclass
 class TierCounters:
-    """Raw counters a tier keeps about its own I/O; the cache adds hits/misses on top."""
+    """Raw counters a tier keeps about its own I/O; the cache adds hits/misses on top.
+
+    The tier is the only writer of these (the cache times its calls for the latency histograms
+    only), so ``bytes / seconds`` is the tier's real throughput; the one exception is
+    :meth:`kvtier.cache.AsyncTieredCache.read_leased`, whose memory copies bypass the tier.
+    """
 
     blocks_written: int = 0
     blocks_read: int = 0
@@ -64,6 +69,8 @@ class Tier(ABC):
         self.name = name
         self.layouts = dict(layouts)
         self.capacity_bytes = dict(capacity_bytes)
+        #: bumped when the tier changes ``capacity_bytes`` itself (a full disk): the cache then follows
+        self.capacity_version = 0
         self.counters = TierCounters()
         #: ``"ok"``, or why the tier is degraded now (``"enospc"``, ``"circuit open: host:port"`` …)
         self.health = "ok"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
 
@@ -88,6 +89,7 @@ class CpuTier(Tier):
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
         """Copy blocks into slots (an existing key keeps its slot). False when the group's slab is full."""
         self.check_buffers(keys, blocks, "blocks")
+        start = time.perf_counter()
         ok = [False] * len(keys)
         for group_id, idx in _by_group(keys).items():
             slab = self._slabs[group_id]
@@ -103,11 +105,13 @@ class CpuTier(Tier):
                 ok[i] = True
             self.counters.blocks_written += len(placed)
             self.counters.bytes_written += len(placed) * slab.slot_bytes
+        self.counters.write_seconds += time.perf_counter() - start
         return ok
 
     async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> list[bool]:
         """Copy resident blocks into ``out``; a key without a slot is a miss."""
         self.check_buffers(keys, out, "out")
+        start = time.perf_counter()
         ok = [False] * len(keys)
         for group_id, idx in _by_group(keys).items():
             slab = self._slabs[group_id]
@@ -119,6 +123,7 @@ class CpuTier(Tier):
                 ok[i] = True
             self.counters.blocks_read += len(hits)
             self.counters.bytes_read += len(hits) * slab.slot_bytes
+        self.counters.read_seconds += time.perf_counter() - start
         return ok
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:

@@ -33,7 +33,10 @@ are re-measured by ``benchmarks/bench_tiers.py``):
 
 Failure behaviour (see :mod:`kvtier.tiers.base`): an I/O fault on put is a ``False`` for that block (its
 temporary file and any older version removed, counted as ``enospc`` or ``io``); a missing file is a
-miss (``missing``); a corrupt or truncated file is a miss and is deleted (``corrupt``); an I/O fault on
+miss (``missing``); a corrupt or truncated file, a block of another namespace (another model or TP
+rank: the header carries the namespace fingerprint) and anything but a regular file (a FIFO, a symbolic
+link, a directory: opened with ``O_NOFOLLOW | O_NONBLOCK``, so never waited on) are misses and are
+removed (``corrupt``); an I/O fault on
 read is a miss that keeps the file for a later retry (``io``). Only programming errors raise.
 """
 
@@ -68,7 +71,9 @@ from kvtier.codec import (
     verify_payload,
 )
 from kvtier.errors import CorruptBlock, KVTierConfigError, LayoutMismatch, TierUnavailable
+from kvtier.hashing import namespace_fingerprint
 from kvtier.layout import BlockLayout
+from kvtier.logs import LogLimiter
 from kvtier.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -80,6 +85,8 @@ TMP_SUFFIX = ".tmp"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _ZERO_PAGE = bytes(PAGE)
+#: While a full disk keeps the capacity below the configured one, free space is re-checked this often.
+DISK_RECHECK_SECONDS = 1.0
 
 Compression = Literal["none", "lz4"]
 
@@ -171,7 +178,8 @@ class FileTier(Tier):
 
     def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int], *,
                  root: str | Path, namespace: str, compression: Compression = "none", direct_io: bool = True,
-                 direct_reads: bool = False, io_threads: int = 4, fsync: bool = False) -> None:
+                 direct_reads: bool = False, io_threads: int = 4, fsync: bool = False,
+                 namespace_fp: int | None = None) -> None:
         super().__init__(name, layouts, capacity_bytes)
         if compression not in ("none", "lz4"):
             raise KVTierConfigError("compression", f"must be 'none' or 'lz4', got {compression!r}")
@@ -188,14 +196,21 @@ class FileTier(Tier):
         self.fsync = fsync
         self._direct = direct_io
         self._fingerprints = {gid: layout.fingerprint() for gid, layout in self.layouts.items()}
+        #: written into every header and checked on every read: a block of another namespace is corrupt
+        self.namespace_fp = namespace_fingerprint(namespace) if namespace_fp is None else namespace_fp
         self._itemsize = {gid: layout.itemsize for gid, layout in self.layouts.items()}
         self._raw_file_size = {gid: PAGE + _round_up(layout.nbytes) for gid, layout in self.layouts.items()}
         self._max_file_size = {gid: PAGE + _round_up(lz4_bound(layout.nbytes)) for gid, layout in self.layouts.items()}
         self._body_bytes = max((size - PAGE for size in self._max_file_size.values()), default=PAGE)
         self._local = threading.local()
+        self._corrupt_log = LogLimiter(log, f"corrupt blocks dropped by file tier {name!r}")
+        self._capacity_log = LogLimiter(log, f"capacity changes of file tier {name!r}")
         self._lock = threading.Lock()  # orders index updates with the rename/unlink they describe
         self._index: dict[BlockKey, int] = {}
         self._blocks_per_group = dict.fromkeys(self.layouts, 0)
+        #: what the config asked for; ``capacity_bytes`` is what the disk holds now (a full disk shrinks it)
+        self.configured_capacity_bytes = dict(self.capacity_bytes)
+        self._disk_checked_at = float("-inf")
         self._made_dirs: set[str] = set()
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-file-{name}")
         try:
@@ -235,12 +250,16 @@ class FileTier(Tier):
         last = {key: i for i, key in enumerate(keys)}
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        outcomes = await asyncio.gather(*(
-            loop.run_in_executor(self._executor, self._write_block, key, arrays[i]) for key, i in last.items()))
+        outcomes = await _all_done([
+            loop.run_in_executor(self._executor, self._write_block, key, arrays[i]) for key, i in last.items()])
         self.counters.write_seconds += time.perf_counter() - start
         by_key = dict(zip(last, outcomes, strict=True))
         for outcome in outcomes:
             self._count(outcome, write=True)
+        disk_full = any(outcome.error == "enospc" for outcome in outcomes)
+        if disk_full or (self.capacity_bytes != self.configured_capacity_bytes
+                         and time.monotonic() - self._disk_checked_at >= DISK_RECHECK_SECONDS):
+            self._fit_disk(disk_full)
         self._log_over_capacity(last)
         return [by_key[key].error is None for key in keys]
 
@@ -256,8 +275,8 @@ class FileTier(Tier):
         jobs = [(i, key, size) for i, key in enumerate(keys) if (size := self._index.get(key)) is not None]
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        outcomes = await asyncio.gather(*(
-            loop.run_in_executor(self._executor, self._read_block, key, size, arrays[i]) for i, key, size in jobs))
+        outcomes = await _all_done([
+            loop.run_in_executor(self._executor, self._read_block, key, size, arrays[i]) for i, key, size in jobs])
         self.counters.read_seconds += time.perf_counter() - start
         hits = [False] * len(keys)
         for (i, _, _), outcome in zip(jobs, outcomes, strict=True):
@@ -292,6 +311,51 @@ class FileTier(Tier):
     async def close(self) -> None:
         """Wait for in-flight I/O on a helper thread, then stop the I/O threads."""
         await asyncio.to_thread(self._executor.shutdown, True)
+        self._corrupt_log.flush()
+        self._capacity_log.flush()
+
+    def _fit_disk(self, disk_full: bool) -> None:
+        """Make ``capacity_bytes`` what the disk can hold: the blocks held plus what fits in the free space
+        (``statvfs``), never above the configured capacity, at least one block per group.
+
+        After ENOSPC the cache then evicts to stay within it and the tier keeps storing, instead of
+        failing every write while older blocks hold the disk. Called on ENOSPC, and (while shrunk) at most
+        every ``DISK_RECHECK_SECONDS`` on a put, so the capacity grows back when space frees up. When
+        ``statvfs`` sees room that a write was refused (a quota, reserved blocks), the capacity is cut to
+        the blocks held.
+        """
+        self._disk_checked_at = time.monotonic()
+        try:
+            info = os.statvfs(self._directory)
+        except OSError as exc:
+            log.debug("file tier %r: statvfs failed: %s", self.name, exc)
+            return
+        free = info.f_bavail * info.f_frsize
+        with self._lock:
+            held = dict(self._blocks_per_group)
+        configured = self.configured_capacity_bytes
+        total = sum(configured.values()) or 1
+        refused_with_room = disk_full and free >= max(self._max_file_size.values(), default=0)
+        fitted: dict[int, int] = {}
+        for gid, limit in configured.items():
+            nbytes = self.layouts[gid].nbytes
+            room = 0 if refused_with_room else int(free * limit / total) // self._raw_file_size[gid]
+            blocks = max(1, held.get(gid, 0) + room)
+            fitted[gid] = min(limit, blocks * nbytes)
+            if not disk_full:  # a re-check only grows: shrinking waits for the disk to say it is full
+                fitted[gid] = max(fitted[gid], self.capacity_bytes.get(gid, 0))
+        if fitted == self.capacity_bytes:
+            return
+        before = sum(self.capacity_bytes.values())
+        self.capacity_bytes = fitted
+        self.capacity_version += 1
+        after, wanted = sum(fitted.values()), sum(configured.values())
+        if after < before:
+            self._capacity_log.log("file tier %r: the disk under %s is full; effective capacity %d → %d bytes (configured %d): "
+                        "older blocks are evicted to keep storing", self.name, self.directory, before, after, wanted)
+        else:
+            self._capacity_log.log("file tier %r: disk space came back; effective capacity %d → %d bytes (configured %d)",
+                        self.name, before, after, wanted)
 
     # --- paths and directories ---------------------------------------------------------------------
     def path_of(self, key: BlockKey) -> Path:
@@ -392,7 +456,7 @@ class FileTier(Tier):
         final = f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
         tmp = f"{shard}/.{hex_hash}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
-            header, payload = encode_block(key, self._fingerprints[key.group_id], raw,
+            header, payload = encode_block(key, self._fingerprints[key.group_id], raw, namespace_fp=self.namespace_fp,
                                            compress=self.compression == "lz4",
                                            shuffle_itemsize=self._itemsize[key.group_id])
             file_size = PAGE + _round_up(payload.nbytes)
@@ -482,7 +546,7 @@ class FileTier(Tier):
                 target = scratch.body[:file_size - PAGE]
             else:
                 raise CorruptBlock(f"indexed file size {file_size} exceeds any block of group {key.group_id}")
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            fd = _open_block(path, os.O_DIRECT if direct else 0)
             try:
                 got = _read_all(fd, [scratch.read_page, target.data], 0)
             finally:
@@ -490,7 +554,8 @@ class FileTier(Tier):
             if got < PAGE:
                 raise CorruptBlock(f"truncated header page ({got} bytes)")
             header = decode_header(scratch.read_page, expected_key=key,
-                                   expected_layout=self._fingerprints[key.group_id], expected_raw_len=nbytes)
+                                   expected_layout=self._fingerprints[key.group_id], expected_raw_len=nbytes,
+                                   expected_namespace=self.namespace_fp)
             if file_size != PAGE + _round_up(header.payload_len) or got < PAGE + header.payload_len:
                 raise CorruptBlock(f"{got} bytes read of a {file_size}-byte file, payload is {header.payload_len} bytes")
             payload = target[:header.payload_len]
@@ -506,7 +571,7 @@ class FileTier(Tier):
                 self._index_pop(key)
             return _Outcome("missing")
         except CorruptBlock as exc:
-            log.warning("file tier %r: dropping corrupt block %s (%s): %s", self.name, key, path, exc)
+            self._corrupt_log.log("file tier %r: dropping corrupt block %s (%s): %s", self.name, key, path, exc)
             self._unlink_indexed(key, path)
             return _Outcome("corrupt")
         except OSError as exc:
@@ -624,13 +689,14 @@ class FileTier(Tier):
         if size % PAGE or not 2 * PAGE <= size <= self._max_file_size[key.group_id]:
             return False
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = _open_block(path)
             try:
                 page = os.pread(fd, PAGE, 0)
             finally:
                 os.close(fd)
             header = decode_header(page, expected_key=key, expected_layout=self._fingerprints[key.group_id],
-                                   expected_raw_len=self.layouts[key.group_id].nbytes)
+                                   expected_raw_len=self.layouts[key.group_id].nbytes,
+                                   expected_namespace=self.namespace_fp)
         except (OSError, CorruptBlock) as exc:
             log.debug("file tier %r: removing %s: %s", self.name, path, exc)
             return False
@@ -664,6 +730,40 @@ class FileTier(Tier):
             if capacity is not None and used > capacity:
                 log.debug("file tier %r: group %d holds %d bytes, over its capacity of %d (the cache evicts)",
                           self.name, gid, used, capacity)
+
+
+async def _all_done(futures: list[asyncio.Future[_Outcome]]) -> list[_Outcome]:
+    """Gather the I/O threads' results; if the caller is cancelled, wait for them first, so that no
+    thread reads or writes the caller's buffers after the call has ended."""
+    try:
+        return await asyncio.shield(asyncio.gather(*futures))
+    except asyncio.CancelledError:
+        if futures:
+            await asyncio.wait(futures)
+        raise
+
+
+def _open_block(path: str, flags: int = 0) -> int:
+    """Open a block file for reading, refusing anything but a regular file without blocking.
+
+    ``O_NOFOLLOW`` refuses a symbolic link and ``O_NONBLOCK`` makes opening a FIFO (or a device)
+    return at once instead of waiting for a writer forever; ``fstat`` then refuses whatever is not a
+    regular file. Both refusals are :class:`CorruptBlock` (a miss; the entry is removed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptBlock(f"{path} is a symbolic link, not a block file") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CorruptBlock(f"{path} is not a regular file (mode {stat.filemode(mode)})")
+    return fd
 
 
 def _stale_tmp(entry: os.DirEntry[str]) -> bool:

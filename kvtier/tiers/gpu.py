@@ -21,6 +21,7 @@ process memory). Without CUDA or CuPy, constructing either class raises
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -277,6 +278,7 @@ class GpuTier(Tier):
         in order would leave it).
         """
         self.check_buffers(keys, blocks, "blocks")
+        start = time.perf_counter()
         last = {key: i for i, key in enumerate(keys)}
         moves: _Moves = {}
         placed: set[BlockKey] = set()
@@ -291,11 +293,13 @@ class GpuTier(Tier):
             self.counters.blocks_written += 1
             self.counters.bytes_written += blocks[i].numel()
         await self._move(moves, into_slab=True)
+        self.counters.write_seconds += time.perf_counter() - start
         return [key in placed for key in keys]
 
     async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> list[bool]:
         """Copy resident blocks into ``out`` (device or host memory); a key without a slot is a miss."""
         self.check_buffers(keys, out, "out")
+        start = time.perf_counter()
         ok = [False] * len(keys)
         moves: _Moves = {}
         for i, key in enumerate(keys):
@@ -308,6 +312,7 @@ class GpuTier(Tier):
                 self.counters.blocks_read += 1
                 self.counters.bytes_read += out[i].numel()
         await self._move(moves, into_slab=False)
+        self.counters.read_seconds += time.perf_counter() - start
         return ok
 
     async def _move(self, moves: _Moves, *, into_slab: bool) -> None:

@@ -414,14 +414,14 @@ class SyscallFaults:
         self.close()
 
 
-CORRUPTIONS = ("flip_header", "flip_payload", "truncate", "zero_header", "other_key", "other_layout",
+CORRUPTIONS = ("flip_header", "flip_payload", "truncate", "zero_header", "other_key", "other_layout", "other_namespace",
                "huge_length")
 
 
 def forged_value(key: BlockKey, raw: bytes, *, layout_fp: int, raw_len: int | None = None,
-                 payload_len: int | None = None) -> bytes:
+                 payload_len: int | None = None, namespace_fp: int = 0) -> bytes:
     """A ``header ‖ payload`` value with a valid checksum whose header says what we want it to."""
-    header, payload = encode_block(key, layout_fp, memoryview(raw))
+    header, payload = encode_block(key, layout_fp, memoryview(raw), namespace_fp=namespace_fp)
     if raw_len is not None or payload_len is not None:
         from kvtier import codec
 
@@ -440,7 +440,8 @@ def corrupt_bytes(value: bytes, kind: str, key: BlockKey, rng: random.Random, la
     """``value`` (a stored ``header ‖ payload``, the header possibly padded to ``header_end``) damaged.
 
     Kinds: a flipped bit in the header or the payload, truncation, a zeroed header, a valid block of
-    another key, a valid block of another layout, a valid header claiming a huge length.
+    another key, a valid block of another layout, a valid block of the same key and layout from
+    another namespace (model or TP rank), a valid header claiming a huge length.
     """
     data = bytearray(value)
     if kind == "flip_header":
@@ -454,14 +455,21 @@ def corrupt_bytes(value: bytes, kind: str, key: BlockKey, rng: random.Random, la
     elif kind == "zero_header":
         data[:HEADER_SIZE] = bytes(HEADER_SIZE)
     else:
+        from kvtier import codec
+
         raw = expected_bytes(key).numpy().tobytes()
         other = BlockKey(bytes(x ^ 0xFF for x in key.block_hash), key.group_id)
+        # the forgery keeps the stored block's namespace: it must be refused for what the kind says
+        ns = codec._NAMESPACE.unpack_from(value, codec._NAMESPACE_OFFSET)[0] if len(value) >= HEADER_SIZE else 0
         if kind == "other_key":
-            forged = forged_value(other, expected_bytes(other).numpy().tobytes(), layout_fp=layout_fp)
+            forged = forged_value(other, expected_bytes(other).numpy().tobytes(), layout_fp=layout_fp, namespace_fp=ns)
         elif kind == "other_layout":
-            forged = forged_value(key, raw, layout_fp=layout_fp ^ 0x5A5A)
+            forged = forged_value(key, raw, layout_fp=layout_fp ^ 0x5A5A, namespace_fp=ns)
+        elif kind == "other_namespace":  # the same key and layout from another model or TP rank
+            forged = forged_value(key, raw, layout_fp=layout_fp, namespace_fp=ns ^ 0x5A5A)
         else:  # huge_length
-            forged = forged_value(key, raw, layout_fp=layout_fp, raw_len=1 << 40, payload_len=1 << 40)
+            forged = forged_value(key, raw, layout_fp=layout_fp, raw_len=1 << 40, payload_len=1 << 40,
+                                  namespace_fp=ns)
         data = bytearray(forged[:HEADER_SIZE]) + bytes(header_end - HEADER_SIZE) + bytearray(forged[HEADER_SIZE:])
     return bytes(data)
 

@@ -38,6 +38,8 @@ class ReplyError(Exception):
         super().__init__(message)
         self.message = message
         self.kind = REPLY_ERROR_KINDS.get(message.split(" ", 1)[0], "server")
+        if "unauthenticated" in message:  # Redis ≥ 7 refuses big requests before AUTH: "Protocol error: …"
+            self.kind = "auth"
 
 
 class ProtocolError(ConnectionError):

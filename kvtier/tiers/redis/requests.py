@@ -87,6 +87,8 @@ class Op:
         try:
             self.read_reply(conn)
         except ReplyError as exc:
+            if exc.kind == "auth":  # NOAUTH/NOPERM: no request can succeed here; the stream stops (_drive)
+                raise
             self.reply_error(exc)
 
     def reply_error(self, exc: ReplyError) -> None:
@@ -127,22 +129,23 @@ class UnlinkOp(Op):
 class SetOp(Op):
     """SET of ``header ‖ payload``; the value is encoded (checksum, lz4) on the I/O thread."""
 
-    __slots__ = ("raw", "fingerprint", "itemsize", "compress", "ttl_args", "value_bytes")
+    __slots__ = ("raw", "fingerprint", "namespace_fp", "itemsize", "compress", "ttl_args", "value_bytes")
     large = True
 
     def __init__(self, index: int, key: BlockKey, rkey: bytes, raw: np.ndarray, fingerprint: int, itemsize: int,
-                 compress: bool, ttl_args: bytes) -> None:
+                 compress: bool, ttl_args: bytes, namespace_fp: int) -> None:
         super().__init__(index, key, rkey)
         self.raw = raw
         self.fingerprint = fingerprint
+        self.namespace_fp = namespace_fp
         self.itemsize = itemsize
         self.compress = compress
         self.ttl_args = ttl_args
         self.value_bytes = 0
 
     def parts(self) -> tuple[bytes | memoryview, ...]:
-        header, payload = encode_block(self.key, self.fingerprint, self.raw, compress=self.compress,
-                                       shuffle_itemsize=self.itemsize)
+        header, payload = encode_block(self.key, self.fingerprint, self.raw, namespace_fp=self.namespace_fp,
+                                       compress=self.compress, shuffle_itemsize=self.itemsize)
         self.value_bytes = HEADER_SIZE + payload.nbytes
         nargs = 5 if self.ttl_args else 3
         prefix = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (nargs, len(self.rkey), self.rkey, self.value_bytes)
@@ -155,17 +158,20 @@ class SetOp(Op):
 class GetOp(Op):
     """GET into the caller's buffer: the header into a small buffer, a raw payload straight into ``out``."""
 
-    __slots__ = ("out", "fingerprint", "itemsize", "header_buf", "value_bytes")
+    __slots__ = ("out", "fingerprint", "namespace_fp", "itemsize", "header_buf", "value_bytes", "why")
     large = True
 
     def __init__(self, index: int, key: BlockKey, rkey: bytes, out: np.ndarray, fingerprint: int,
-                 itemsize: int) -> None:
+                 itemsize: int, namespace_fp: int) -> None:
         super().__init__(index, key, rkey)
         self.out = out
         self.fingerprint = fingerprint
+        self.namespace_fp = namespace_fp
         self.itemsize = itemsize
         self.header_buf = bytearray(HEADER_SIZE)
         self.value_bytes = 0
+        #: Why the value was invalid; logged (rate-limited) by the event loop, not the I/O thread.
+        self.why = ""
 
     def parts(self) -> tuple[bytes | memoryview, ...]:
         return (command(b"GET", self.rkey),)
@@ -192,9 +198,9 @@ class GetOp(Op):
         self._decode(header, payload)
 
     def _check_header(self, size: int) -> BlockHeader:
-        """The one place a value's header is checked: key, layout, length; raises CorruptBlock."""
+        """The one place a value's header is checked: key, layout, namespace, length; raises CorruptBlock."""
         header = decode_header(self.header_buf, expected_key=self.key, expected_layout=self.fingerprint,
-                               expected_raw_len=self.out.nbytes)
+                               expected_raw_len=self.out.nbytes, expected_namespace=self.namespace_fp)
         if HEADER_SIZE + header.payload_len != size:
             raise CorruptBlock(f"value of {size} bytes, header says {HEADER_SIZE + header.payload_len}")
         return header
@@ -209,7 +215,7 @@ class GetOp(Op):
         self.ok = True
 
     def _corrupt(self, why: str) -> None:
-        log.debug("redis value of %s is invalid: %s", self.key, why)
+        self.why = why
         self.error = "corrupt"
 
 
@@ -281,7 +287,13 @@ def _drive(conn: Connection, pool: Pool, run: NodeRun, depth: int) -> bool:
                 op.send(conn)
             if not inflight:
                 break
-            inflight[0].receive(conn)
+            try:
+                inflight[0].receive(conn)
+            except ReplyError as exc:  # auth refused on a command: as with a wrong password, the node fails
+                for pending in inflight:
+                    pending.reset()
+                run.fail("auth", f"{exc.message} (is the password missing from the url or password key?)")
+                return False
             inflight.popleft()
             run.succeeded = True
         reusable = True

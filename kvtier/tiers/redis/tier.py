@@ -35,7 +35,9 @@ import torch
 from kvtier.blocks import BlockKey
 from kvtier.codec import MAX_HASH_BYTES
 from kvtier.errors import LayoutMismatch
+from kvtier.hashing import namespace_fingerprint
 from kvtier.layout import BlockLayout
+from kvtier.logs import LogLimiter
 from kvtier.tiers.base import Tier
 from kvtier.tiers.redis.breaker import CircuitBreaker, CircuitBreakerConfig
 from kvtier.tiers.redis.cluster import ClientOptions, SlotMap, require_redis_py, scan_keys
@@ -77,13 +79,17 @@ class RedisTier(Tier):
                  startup_nodes: Sequence[str] | None = None, username: str | None = None,
                  password: str | None = None, tls_ca_file: str | None = None, ttl_seconds: float | None = None,
                  compression: Compression = "none", connect_timeout: float = 1.0, timeout: float = 2.0,
-                 max_connections: int = 16, circuit_breaker: CircuitBreakerConfig | None = None) -> None:
+                 max_connections: int = 16, circuit_breaker: CircuitBreakerConfig | None = None,
+                 namespace_fp: int | None = None) -> None:
         super().__init__(name, layouts, capacity_bytes if capacity_bytes is not None else dict.fromkeys(layouts, 0))
         if not namespace or set(namespace) & _FORBIDDEN_IN_NAMESPACE or not namespace.isprintable():
             raise ValueError(f"namespace {namespace!r} must be non-empty printable text without whitespace, "
                              f"braces (cluster hash tags) or glob characters")
         require_redis_py()
         self.namespace = namespace
+        #: written into every value's header and checked on every read (another namespace's value is corrupt)
+        self.namespace_fp = namespace_fingerprint(namespace) if namespace_fp is None else namespace_fp
+        self._corrupt_log = LogLimiter(log, f"invalid values dropped by redis tier {name!r}")
         self.compression: Compression = compression
         self.ttl_seconds = ttl_seconds
         self.connect_timeout = float(connect_timeout)
@@ -151,7 +157,8 @@ class RedisTier(Tier):
         start = time.perf_counter()
         compress = self.compression == "lz4"
         ops = [SetOp(i, key, self.redis_key(key), arrays[i], self._fingerprints[key.group_id],
-                      self._itemsizes[key.group_id], compress, self._ttl_args) for key, i in last.items()]
+                     self._itemsizes[key.group_id], compress, self._ttl_args, self.namespace_fp)
+               for key, i in last.items()]
         await self._execute(ops)
         for op in ops:
             if op.ok:
@@ -176,16 +183,18 @@ class RedisTier(Tier):
             return []
         start = time.perf_counter()
         ops = [GetOp(i, key, self.redis_key(key), arrays[i], self._fingerprints[key.group_id],
-                      self._itemsizes[key.group_id]) for i, key in enumerate(keys)]
+                     self._itemsizes[key.group_id], self.namespace_fp) for i, key in enumerate(keys)]
         await self._execute(ops)
         for op in ops:
             if op.ok:
                 self.counters.blocks_read += 1
                 self.counters.bytes_read += op.value_bytes
         self.counters.read_seconds += time.perf_counter() - start
-        corrupt = [op.key for op in ops if op.error == "corrupt"]
+        corrupt = [op for op in ops if op.error == "corrupt"]
+        for op in corrupt:
+            self._corrupt_log.log("redis tier %r: dropping invalid value of %s: %s", self.name, op.key, op.why)
         if corrupt:
-            await self.delete(corrupt)
+            await self.delete([op.key for op in corrupt])
         return [op.ok for op in ops]
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -227,6 +236,7 @@ class RedisTier(Tier):
             await asyncio.to_thread(executor.shutdown, True)
         for pool in self._pools.values():  # connections returned by streams that were finishing
             pool.drop_idle()
+        self._corrupt_log.flush()
 
     # --- execution -----------------------------------------------------------------------------------------
     def _host_array(self, block: torch.Tensor, what: str) -> np.ndarray:
