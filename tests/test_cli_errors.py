@@ -142,14 +142,16 @@ def test_blocks_already_on_disk_count_as_room(tmp_path: Path, capsys: pytest.Cap
     from kvtier.config import load_config
     from kvtier.hostinfo import free_disk
 
-    capacity = free_disk(tmp_path)[1] - (128 << 20)  # fits now, with 128 MiB to spare for other writers
-    cfg = load_config(TINY_MODEL + f"tiers: [{{type: file, path: {tmp_path}, capacity: {capacity}}}]\n")
-    assert capacity_warnings(cfg, "ns") == []
     (tmp_path / "ns" / "g0").mkdir(parents=True)
-    (tmp_path / "ns" / "g0" / "blocks").write_bytes(os.urandom(256 << 20))  # the cache fills up...
+    (tmp_path / "ns" / "g0" / "blocks").write_bytes(os.urandom(256 << 20))  # the tier's own blocks
     try:
-        assert free_disk(tmp_path)[1] < capacity  # ...so the disk's free space no longer covers the capacity
-        assert capacity_warnings(cfg, "ns") == []  # but that space is the tier's own
+        # Over the free space by 128 MiB, under free space + the tier's 256 MiB by as much: margins wide
+        # enough that other writers on a shared disk do not flip the answer between the two calls.
+        capacity = free_disk(tmp_path)[1] + (128 << 20)
+        cfg = load_config(TINY_MODEL + f"tiers: [{{type: file, path: {tmp_path}, capacity: {capacity}}}]\n")
+        assert capacity_warnings(cfg, "ns") == []  # that space is the tier's own
+        over = load_config(TINY_MODEL + f"tiers: [{{type: file, path: {tmp_path}, capacity: {capacity + (512 << 20)}}}]\n")
+        assert len(capacity_warnings(over, "ns")) == 1  # but not twice as much again
     finally:
         (tmp_path / "ns" / "g0" / "blocks").unlink()
 
