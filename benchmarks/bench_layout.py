@@ -1,4 +1,6 @@
-"""How much the cross-layer layout saves when blocks leave the engine's KV cache (DESIGN §3).
+"""How much the cross-layer layout saves when blocks leave the engine's KV cache.
+
+Why the layout exists: docs/architecture.md#cross-layer-blocks.
 
 Moves N engine blocks of a Llama-3.1-8B-shaped cache (32 layers, 8 KV heads, head_dim 128, fp16,
 16-token blocks: 2 MiB per cross-layer block) into a contiguous destination, four ways, measured in

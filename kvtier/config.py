@@ -1,7 +1,7 @@
 """YAML → validated configuration → cache parts. Every error names the key path and the bad value.
 
-Validation happens entirely at load time (DESIGN.md §8.4): a config that loads builds; nothing
-half-starts. The README's "Configuration reference" documents every key defined here.
+Validation happens entirely at load time (docs/architecture.md#config-errors): a config that loads
+builds; nothing half-starts. The README's "Configuration reference" documents every key defined here.
 """
 
 from __future__ import annotations

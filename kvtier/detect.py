@@ -1,12 +1,12 @@
 """Find out how an engine laid out its KV cache: cross-layer blocks or classic per-layer tensors.
 
-Engines hand kvtier one paged KV tensor per layer. When those tensors are strided views of one
-buffer in which each engine block holds the K and V of every layer in one contiguous region
-(vLLM's cross-layer layout, DESIGN §3), a block moves with one copy; otherwise kvtier packs it from
-``2 × num_layers`` places (:func:`kvtier.kernels.pack_blocks`). :func:`detect_kv_layout` tells the
+Engines hand kvtier one paged KV tensor per layer. When those tensors are strided views of one buffer in
+which each engine block holds the K and V of every layer in one contiguous region (vLLM's cross-layer
+layout, docs/architecture.md#cross-layer-blocks), a block moves with one copy; otherwise kvtier packs it
+from ``2 × num_layers`` places (:func:`kvtier.kernels.pack_blocks`). :func:`detect_kv_layout` tells the
 two apart from shapes and strides alone, without copying or touching the data;
-:func:`make_cross_layer_kv` allocates such a buffer (for tests, benchmarks and embedded use). This
-module decides layouts; it does not move bytes.
+:func:`make_cross_layer_kv` allocates such a buffer (for tests, benchmarks and embedded use). This module
+decides layouts; it does not move bytes.
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ class Residency:
                         continue
                     break
                 if key in index.pins:
-                    continue  # a load still reads an older copy here: never overwrite it (§8.2)
+                    continue  # a load reads an older copy here: never overwrite (docs/architecture.md#pins)
                 if not index.fits(key.group_id) or not self.placement.admission[t].admit(key):
                     continue
                 if not self._make_room(t, key.group_id, plan):
@@ -226,7 +226,7 @@ class Residency:
             if key in lower.entries:
                 return None  # a copy already lives below (inclusive caching): nothing to write
             if key in lower.pins:
-                continue  # a load still reads an older copy there: never overwrite it (§8.2)
+                continue  # a load reads an older copy there: never overwrite (docs/architecture.md#pins)
             if not lower.fits(key.group_id) or not self.placement.admission[u].admit(key):
                 continue
             if self._make_room(u, key.group_id, plan):

@@ -214,7 +214,7 @@ def test_multiple_groups_with_their_own_block_sizes(tmp_path: Path) -> None:
             assert cache.load(keys[g.group_id], out) == len(blocks) and same(out, blocks)
 
 
-# --- leases: pins taken on the caller's thread (DESIGN.md §8.2) -------------------------------------------
+# --- leases: pins taken on the caller's thread (docs/architecture.md#leases) --------------------------------
 def test_lease_pins_the_top_most_ready_copy_until_release(two_tier_config: dict[str, Any]) -> None:
     layout = small_layout()
     two_tier_config["placement"] = {"write_mode": "write_through"}

@@ -1,4 +1,5 @@
-// kvtier block kernels: batched block copy and per-layer <-> cross-layer pack/unpack (DESIGN §6).
+// kvtier block kernels: batched block copy and per-layer <-> cross-layer pack/unpack
+// (docs/architecture.md#kernels).
 //
 // Compiled at run time by CuPy's NVRTC (kvtier/kernels/cuda.py) and by nvcc in CI
 // (.ci/compile_kernels), so this file uses no host headers and only `extern "C" __global__` entry

@@ -1,6 +1,6 @@
 """Torch reference for kvtier's block kernels: exact, batched, on any device.
 
-Three moves, the same ones the CUDA kernels make (DESIGN §6):
+Three moves, the same ones the CUDA kernels make (docs/architecture.md#kernels):
 
 * :func:`pack_blocks` gathers engine blocks from per-layer paged KV tensors into cross-layer blocks
   (the way out of the engine),

@@ -7,9 +7,10 @@ is decided by :mod:`kvtier.policy` and wired by :class:`kvtier.cache.TieredCache
 Blocks cross this interface as 1-D ``torch.uint8`` tensors of exactly the group's block bytes
 (``BlockLayout.nbytes``); on the CPU they are zero-copy numpy-compatible views.
 
-Failure contract (DESIGN.md §8): ``put`` and ``get`` report per-block success and never raise for an
-I/O fault, a dead server or a corrupt block — those become ``False`` (a failed store / a miss) and a
-counted error. They raise only for programming errors (wrong buffer size, unknown group).
+Failure contract (docs/architecture.md#failure-contract): ``put`` and ``get`` report per-block success
+and never raise for an I/O fault, a dead server or a corrupt block — those become ``False`` (a failed
+store / a miss) and a counted error. They raise only for programming errors (wrong buffer size, unknown
+group).
 """
 
 from __future__ import annotations

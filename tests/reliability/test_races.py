@@ -6,10 +6,10 @@ every block exact or missing.
 
 - A load that located a block, then waited for a remote tier, must not act on the stale location
   (it read an evicted copy, and its "miss" forgot a newer write of the same key: a pin leaked).
-- A key that a load still has pinned in a tier is never written into that tier (DESIGN §8.2): a
+- A key that a load still has pinned in a tier is never written into that tier (docs/architecture.md#pins): a
   demotion used to write it there, and the load's late "miss" then forgot the new copy.
-- A read that fails with EIO leaves the block where it is, indexed, for a later retry (§8.3): the
-  cache used to forget it while the file tier kept it.
+- A read that fails with EIO leaves the block where it is, indexed, for a later retry
+  (docs/architecture.md#failure-contract): the cache used to forget it while the file tier kept it.
 """
 
 from __future__ import annotations
