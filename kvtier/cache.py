@@ -2,7 +2,7 @@
 
 The orchestrator. It asks :class:`kvtier.residency.Residency` (index, pins, eviction, placement)
 what to move, moves bytes between :mod:`kvtier.tiers` in batches, and turns every tier failure
-into a miss or a failed store — it never raises an I/O fault into the engine (DESIGN.md §8).
+into a miss or a failed store — it never raises an I/O fault into the engine (docs/architecture.md#failure-contract).
 
 Two faces, like redis-py: :class:`AsyncTieredCache` (coroutines, for async engines) and
 :class:`TieredCache` (blocking calls, for everyone else; it runs the async core on a private event
@@ -395,7 +395,7 @@ class AsyncTieredCache:
 
         Per key: the top-most of ``tiers`` (default: every tier kvtier indexes) holding it READY,
         now pinned there, or None (nothing pinned). Until :meth:`release`, a pinned copy is never
-        evicted, demoted away or overwritten (DESIGN.md §8.2), so a :meth:`load` reads it. Meant for
+        evicted, demoted away or overwritten (docs/architecture.md#pins), so a :meth:`load` reads it. Meant for
         engines that promise blocks on another thread than the cache's loop (vLLM's scheduler):
         one lock instead of a hop to the loop. Self-evicting tiers (Redis) cannot be pinned.
         """
@@ -584,7 +584,7 @@ class AsyncTieredCache:
 
     async def _forget_lost(self, t: int, keys: list[BlockKey]) -> None:
         """Drop blocks a tier failed to return from the index, unless the tier still holds them (an I/O
-        error, not a lost block): those stay indexed and are retried by later loads (§8.3)."""
+        error, not a lost block): those stay indexed and are retried by later loads (docs/architecture.md#failure-contract)."""
         if not keys or self.tiers[t].self_evicting:
             return
         held = await self._safe_io(t, "contains", keys)
@@ -853,7 +853,7 @@ class TieredCache:
             namespace = core.namespace.id if core.namespace else ""
             try:
                 self.metrics_server = MetricsServer(self.stats, port, address, namespace)
-            except OSError as exc:  # the port is taken: stop what started, nothing half-starts (§8.4)
+            except OSError as exc:  # the port is taken: stop what started, nothing half-starts (docs/architecture.md#config-errors)
                 self.close()
                 raise KVTierConfigError("metrics.port", f"cannot serve metrics on {address}:{port}: "
                                                         f"{exc.strerror or exc}") from None

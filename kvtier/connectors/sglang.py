@@ -38,7 +38,7 @@ Configuration: SGLang's ``--hicache-storage-backend-extra-config`` JSON names th
 configuration is validated when SGLang constructs the backend, so a bad key fails the launch with its
 key path; the tiers are built when SGLang registers its host pool (the page geometry is known then).
 
-Failures (DESIGN.md §8): a tier fault is a miss or a failed store. Every public method also turns an
+Failures (docs/architecture.md#failure-contract): a tier fault is a miss or a failed store. Every public method also turns an
 unexpected exception into a miss / ``False`` and logs it: SGLang calls these methods on daemon threads
 that are never restarted, so an exception there would silently switch L3 off for good.
 
