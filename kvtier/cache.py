@@ -297,6 +297,30 @@ class AsyncTieredCache:
             self._counts["load_blocks"] += len(keys)
             self._counts["loaded_blocks"] += len(keys)
 
+    async def clear(self, tiers: Iterable[int]) -> int:
+        """Delete every block of ``tiers`` that no read has pinned (an engine's cache reset); return how many.
+
+        Self-evicting tiers (Redis) are skipped: kvtier does not know what they hold.
+        """
+        await self.start()
+        assert self._mutation is not None
+        dropped = 0
+        async with self._mutation:  # no store is planning room in these tiers meanwhile
+            for t in tiers:
+                if self.tiers[t].self_evicting:
+                    continue
+                index = self.residency.tiers[t]
+                with self._index_lock:
+                    keys = [key for key in index.keys() if key not in index.pins]
+                    for key in keys:
+                        self.residency.forget(t, key)
+                    self._changed(keys)
+                    self._report_removed(keys)
+                await self._safe_delete(t, keys)
+                self._activity[t].evictions += len(keys)
+                dropped += len(keys)
+        return dropped
+
     def add_watcher(self, watcher: ResidencyWatcher) -> None:
         """Tell ``watcher`` of index changes from now on, after reporting every indexed key to it once."""
         with self._index_lock:
@@ -639,6 +663,10 @@ class TieredCache:
     def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks) -> None:
         """See :meth:`AsyncTieredCache.read_leased` (runs on the caller's thread)."""
         self.core.read_leased(keys, where, out)
+
+    def clear(self, tiers: Iterable[int]) -> int:
+        """See :meth:`AsyncTieredCache.clear`."""
+        return self._call(self.core.clear(tiers))
 
     def add_watcher(self, watcher: ResidencyWatcher) -> None:
         """See :meth:`AsyncTieredCache.add_watcher`."""

@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 
 from kvtier.blocks import BlockKey
 from kvtier.connectors.vllm import (
+    EPOCH_BYTES,
+    FIRST_EPOCH,
     LOST,
     STAGED,
     CudaPageMover,
@@ -34,11 +36,13 @@ from kvtier.connectors.vllm import (
     KVTierOffloadManager,
     KVTierOffloadWorkerCore,
     Lookup,
+    ModelIdentity,
     OffloadRuntime,
     PageMover,
     UnsupportedVLLM,
     check_vllm_version,
     kvtier_config_for_engine,
+    model_identity,
     page_movers,
 )
 from kvtier.errors import KVTierConfigError, LayoutMismatch
@@ -67,7 +71,8 @@ class GpuSpec:
 
 def geometry(groups: tuple[tuple[int, int, int], ...] = ((0, 32, 2),), bpc: int = 1, **kw: Any) -> EngineGeometry:
     tokens_per_hash = min(tpb for _, tpb, _ in groups)
-    return EngineGeometry(model_name="tiny-llama", dtype="bfloat16", tokens_per_hash=tokens_per_hash,
+    kw.setdefault("model_name", "tiny-llama")
+    return EngineGeometry(dtype="bfloat16", tokens_per_hash=tokens_per_hash,
                           blocks_per_chunk=bpc, groups=tuple(EngineGroup(*g) for g in groups),
                           kv_cache_layout="LBHNC", num_kv_heads=HEADS, head_dim=DIM, mla=False, **kw)
 
@@ -170,10 +175,63 @@ def test_importing_kvtier_and_the_adapter_never_imports_vllm() -> None:
 def test_key_codec_maps_vllm_group_ids_to_kvtier_groups() -> None:
     codec = KeyCodec([0, 2])
     key = b"h" * 32 + (2).to_bytes(4, "big")
-    assert codec.block_key(key) == BlockKey(b"h" * 32, 1)
+    assert codec.block_key(key) == BlockKey(FIRST_EPOCH + b"h" * 32, 1)
     assert codec.offload_key(codec.block_key(key)) == key
     with pytest.raises(LayoutMismatch, match="group 1"):
         codec.block_key(b"h" * 32 + (1).to_bytes(4, "big"))
+
+
+@given(st.binary(min_size=1, max_size=48), st.sampled_from([0, 3, 7]))
+def test_key_codec_epochs_round_trip_and_never_collide(block_hash: bytes, group: int) -> None:
+    codec = KeyCodec([0, 3, 7])
+    key = block_hash + group.to_bytes(4, "big")
+    before = codec.block_key(key)
+    assert codec.current(before) and codec.offload_key(before) == key
+    codec.new_epoch()
+    after = codec.block_key(key)
+    assert after != before and codec.offload_key(after) == key
+    assert codec.current(after) and not codec.current(before)
+    assert len(after.block_hash) == EPOCH_BYTES + len(block_hash)
+
+
+# --- the checkpoint's identity ---------------------------------------------------------------------------
+def checkpoint(path: Path, weights: bytes = b"w" * 64) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
+    (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+def test_one_checkpoint_named_two_ways_has_one_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = checkpoint(tmp_path / "models" / "tiny")
+    (tmp_path / "link").symlink_to(tmp_path / "models")
+    monkeypatch.chdir(tmp_path)
+    named = [model_identity(name) for name in ("models/tiny", str(ckpt), "./link/tiny/", str(tmp_path / "link/tiny"))]
+    assert len(set(named)) == 1 and named[0].name == str(ckpt.resolve())
+    configs = [kvtier_config_for_engine({"tiers": [{"type": "cpu", "capacity": "1MiB"}]},
+                                        geometry(model_name=i.name, weights_id=i.weights)) for i in named]
+    assert len({c.model.name for c in configs}) == 1
+
+
+def test_a_checkpoint_overwritten_in_place_gets_a_new_identity(tmp_path: Path) -> None:
+    ckpt = checkpoint(tmp_path / "tiny")
+    before = model_identity(str(ckpt))
+    checkpoint(ckpt, b"v" * 65)  # new weights, same path
+    after = model_identity(str(ckpt))
+    assert after.name == before.name and after.weights != before.weights
+    stat = (ckpt / "model.safetensors").stat()
+    os.utime(ckpt / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert model_identity(str(ckpt)).weights != after.weights  # same size, rewritten later
+    (ckpt / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 3}')
+    assert model_identity(str(ckpt)).weights != after.weights
+    tiers = {"tiers": [{"type": "cpu", "capacity": "1MiB"}]}
+    assert kvtier_config_for_engine(tiers, geometry(model_name=before.name, weights_id=before.weights)).model.name \
+        != kvtier_config_for_engine(tiers, geometry(model_name=after.name, weights_id=after.weights)).model.name
+
+
+def test_a_hub_id_that_is_not_cached_is_named_by_its_revision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    assert model_identity("org/never-downloaded", "abc123") == ModelIdentity("org/never-downloaded", "rev-abc123")
 
 
 # --- config merge ----------------------------------------------------------------------------------------
@@ -511,17 +569,41 @@ def test_groups_with_their_own_block_sizes(cpu_tier: list[dict[str, Any]]) -> No
         h.close()
 
 
-def test_reset_cache_drops_manager_state_but_not_the_tiers(cpu_tier: list[dict[str, Any]]) -> None:
-    h = Harness(cpu_tier)
+def test_reset_cache_forgets_every_block_in_every_tier(tmp_path: Path) -> None:
+    tiers = [{"type": "cpu", "capacity": "1MiB"}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
+    h = Harness(tiers, placement={"write_mode": "write_through"})
     try:
         keys = h.keys(2)
         h.store(keys, [1, 2])
+        assert h.settle(keys) == [Lookup.HIT] * 2
         h.manager.plan_store(h.keys(1, salt=3))
         h.manager.reset_cache()
         assert not h.manager._storing
-        assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 2
+        assert not list(h.runtime.residency.tiers[0].keys())  # the memory tier is empty
+        assert len(list(h.runtime.residency.tiers[1].keys())) == 2  # the file tier keeps them for others...
+        assert h.settle(keys) == [Lookup.MISS] * 2  # ...but never serves them to this engine again
+        assert h.manager.take_removed() == []  # vLLM's reset already forgot them: nothing to report
+        assert h.store(keys, [3, 4]) == keys  # stored again in the new epoch, and served from it
+        expected = [h.block(0, b) for b in (3, 4)]
+        assert h.settle(keys) == [Lookup.HIT] * 2 and h.load(keys, [9, 10])["success"]
+        assert all(torch.equal(a, w) for b, want in zip((9, 10), expected, strict=True)
+                   for a, w in zip(h.block(0, b), want, strict=True))
     finally:
         h.close()
+
+
+def test_after_a_reset_other_engines_still_share_the_persistent_blocks(tmp_path: Path) -> None:
+    tiers = [{"type": "cpu", "capacity": "1MiB"}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
+    first = Harness(tiers, placement={"write_mode": "write_through"})
+    keys = first.keys(2)
+    first.store(keys, [1, 2])
+    first.manager.reset_cache()
+    first.close()
+    second = Harness(tiers, seed=5)  # a fresh engine starts in the first epoch: the blocks are its own too
+    try:
+        assert second.settle(keys) == [Lookup.HIT] * 2
+    finally:
+        second.close()
 
 
 def test_prepare_load_and_the_read_never_wait_for_kvtiers_loop_thread(cpu_tier: list[dict[str, Any]]) -> None:

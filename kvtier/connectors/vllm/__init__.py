@@ -62,6 +62,8 @@ import sys
 from typing import Any
 
 from kvtier.connectors.vllm.geometry import (
+    EPOCH_BYTES,
+    FIRST_EPOCH,
     SUPPORTED_VLLM,
     EngineGeometry,
     EngineGroup,
@@ -72,6 +74,7 @@ from kvtier.connectors.vllm.geometry import (
     kvtier_config_for_engine,
     read_config_source,
 )
+from kvtier.connectors.vllm.identity import ModelIdentity, model_identity
 from kvtier.connectors.vllm.manager import BlockTransferSpec, KVTierOffloadManager, ManagerCounters
 from kvtier.connectors.vllm.page_mover import CudaPageMover, PageMover, page_movers
 from kvtier.connectors.vllm.runtime import (
@@ -90,7 +93,7 @@ from kvtier.connectors.vllm.spec import VLLM_CLASSES
 from kvtier.connectors.vllm.worker import KVTierOffloadWorkerCore, split_by_group
 
 __all__ = [
-    "DEFAULT_STAGING_BYTES", "LOST", "MAX_REMOVED_KEYS", "STAGED", "SUPPORTED_VLLM", "BlockTransferSpec",
+    "EPOCH_BYTES", "FIRST_EPOCH", "ModelIdentity", "model_identity", "DEFAULT_STAGING_BYTES", "LOST", "MAX_REMOVED_KEYS", "STAGED", "SUPPORTED_VLLM", "BlockTransferSpec",
     "CudaPageMover", "EngineGeometry", "EngineGroup", "IndexMirror", "KVTierOffloadManager",
     "KVTierOffloadWorkerCore", "KeyCodec", "Lookup", "ManagerCounters", "OffloadRuntime", "PageMover", "Staging",
     "UnsupportedVLLM", "check_vllm_version", "engine_stats", "kvtier_config_for_engine", "page_movers",

@@ -6,6 +6,7 @@ Nothing here imports vLLM: the geometry is read from vLLM's ``OffloadingConfig``
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 
 from kvtier.blocks import BlockKey
 from kvtier.config import KVTierConfig, load_config, read_config_mapping
+from kvtier.connectors.vllm.identity import ModelIdentity, model_identity
 from kvtier.errors import KVTierConfigError, KVTierError, LayoutMismatch
 from kvtier.layout import parse_dtype
 
@@ -77,12 +79,20 @@ class EngineGeometry:
     mla: bool | None = None
     tp_rank: int = 0
     tp_size: int = 1
+    weights_id: str = ""
 
     @classmethod
-    def from_offloading_config(cls, config: Any, model_shape: tuple[int, int, bool] | None = None) -> EngineGeometry:
-        """From vLLM's ``OffloadingConfig`` (read by attribute; no vLLM import needed)."""
+    def from_offloading_config(cls, config: Any, model_shape: tuple[int, int, bool] | None = None,
+                               identity: ModelIdentity | None = None) -> EngineGeometry:
+        """From vLLM's ``OffloadingConfig`` (read by attribute; no vLLM import needed).
+
+        ``identity``: the checkpoint's canonical name and weights identity (default: computed from
+        ``config.model.name``, see :mod:`kvtier.connectors.vllm.identity`).
+        """
         heads, head_dim, mla = model_shape if model_shape is not None else (None, None, None)
-        return cls(model_name=str(config.model.name), dtype=str(config.model.dtype),
+        if identity is None:
+            identity = model_identity(str(config.model.name))
+        return cls(model_name=identity.name, weights_id=identity.weights, dtype=str(config.model.dtype),
                    tokens_per_hash=int(config.cache.tokens_per_hash),
                    blocks_per_chunk=int(config.cache.blocks_per_chunk),
                    groups=tuple(EngineGroup(int(g.group_id), int(g.tokens_per_block), len(g.layer_names))
@@ -158,6 +168,8 @@ def kvtier_config_for_engine(source: str | Path | Mapping[str, Any] | KVTierConf
                                               f"({chunk_tokens or sizes[0]} tokens here): set block_size (or "
                                               f"blocks_per_chunk) in kv_connector_extra_config and remove it here")
     name = str(user_model.get("name") or engine.model_name)
+    if engine.weights_id:  # KV of other weights is never served, whatever the model is called
+        name = f"{name}|weights:{engine.weights_id}"
     raw["model"] = {
         "name": f"{name}|{engine.layout_tag}", "num_layers": engine.groups[0].num_layers, "num_kv_heads": heads,
         "head_dim": head_dim, "dtype": dtype, "mla": mla, "token_layout": engine.token_layout,
@@ -172,11 +184,26 @@ def kvtier_config_for_engine(source: str | Path | Mapping[str, Any] | KVTierConf
     return load_config(raw)
 
 
-class KeyCodec:
-    """vLLM ``OffloadKey`` bytes ↔ kvtier :class:`BlockKey`; kvtier group *i* is vLLM's *i*-th offloaded group."""
+#: bytes of the epoch tag that starts every kvtier block hash made from a vLLM key
+EPOCH_BYTES = 8
+#: the epoch every engine starts in: engines of one namespace share the blocks of this epoch
+FIRST_EPOCH = bytes(EPOCH_BYTES)
 
-    def __init__(self, vllm_group_ids: Sequence[int]) -> None:
+
+class KeyCodec:
+    """vLLM ``OffloadKey`` bytes ↔ kvtier :class:`BlockKey`; kvtier group *i* is vLLM's *i*-th offloaded group.
+
+    A kvtier block hash is the engine's *epoch* tag followed by vLLM's block hash. Every engine starts
+    in :data:`FIRST_EPOCH`; a connector reset moves it to a fresh random epoch (:meth:`new_epoch`),
+    so its blocks stored before the reset — in any tier, persistent ones included — are never served
+    to it again, while other engines sharing the tiers keep theirs.
+    """
+
+    def __init__(self, vllm_group_ids: Sequence[int], epoch: bytes = FIRST_EPOCH) -> None:
+        if len(epoch) != EPOCH_BYTES:
+            raise ValueError(f"an epoch tag is {EPOCH_BYTES} bytes, got {len(epoch)}")
         self.vllm_group_ids = tuple(vllm_group_ids)
+        self.epoch = epoch
         self._suffixes = tuple(gid.to_bytes(4, "big") for gid in self.vllm_group_ids)
         self._kvtier_group = {suffix: i for i, suffix in enumerate(self._suffixes)}
 
@@ -187,7 +214,19 @@ class KeyCodec:
             raise LayoutMismatch(f"offload key names vLLM KV-cache group {int.from_bytes(offload_key[-4:], 'big')}; "
                                  f"kvtier was configured for groups {list(self.vllm_group_ids)}") from None
         # tuple.__new__ is what BlockKey(...) runs, without the Python-level __new__ (a scheduler-path cost)
-        return tuple.__new__(BlockKey, (offload_key[:-4], group_id))
+        return tuple.__new__(BlockKey, (self.epoch + offload_key[:-4], group_id))
 
     def offload_key(self, key: BlockKey) -> bytes:
-        return key.block_hash + self._suffixes[key.group_id]
+        return key.block_hash[EPOCH_BYTES:] + self._suffixes[key.group_id]
+
+    def current(self, key: BlockKey) -> bool:
+        """Whether ``key`` belongs to the current epoch (only those are ever served)."""
+        return key.block_hash.startswith(self.epoch)
+
+    def new_epoch(self) -> bytes:
+        """Move to a fresh random epoch (a reset); return its tag."""
+        epoch = FIRST_EPOCH
+        while epoch == FIRST_EPOCH or epoch == self.epoch:
+            epoch = os.urandom(EPOCH_BYTES)
+        self.epoch = epoch
+        return epoch

@@ -234,12 +234,16 @@ class KVTierOffloadManager:
 
     # --- lifecycle ----------------------------------------------------------------------------------
     def reset_cache(self) -> None:
-        """Forget in-flight manager state and staged copies; kvtier's tiers keep their blocks."""
+        """Forget every block (vLLM's ``reset_prefix_cache(reset_connector=True)``).
+
+        In-flight manager state and staged copies go; the runtime moves to a fresh key epoch (nothing
+        stored before is served again, from any tier) and empties its memory tiers.
+        """
         self._storing.clear()
         self._fetching.clear()
         self._fetch_queue.clear()
         self._absent.clear()
-        self._staging.clear()
+        self.runtime.reset()
 
     def kvtier_stats(self) -> CacheStats:
         return self.runtime.stats()

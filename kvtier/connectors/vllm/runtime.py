@@ -123,7 +123,8 @@ class IndexMirror:
     on the scheduler's thread: each is one dict operation, atomic under the GIL. A lookup sees a change
     a moment late at most, as if it had looked a moment earlier; ``prepare_load`` never trusts the
     mirror but pins under the lock. ``removed`` collects the offload keys of blocks that left every
-    tier, for vLLM's removal reports.
+    tier, for vLLM's removal reports. Only keys of the codec's current epoch are mirrored or reported:
+    after a reset (:meth:`new_epoch`) nothing stored before it reaches vLLM again.
     """
 
     def __init__(self, codec: KeyCodec, residency: Residency, memory_tiers: Sequence[int]) -> None:
@@ -131,17 +132,31 @@ class IndexMirror:
         self.loadable: dict[bytes, BlockKey] = {}
         self.removed: deque[bytes] = deque(maxlen=MAX_REMOVED_KEYS)
         self._memory = [residency.tiers[t].entries for t in memory_tiers]
+        self._lock = threading.Lock()  # an epoch change and a change of the index never interleave
 
     def residency_changed(self, keys: Sequence[BlockKey]) -> None:
         loadable, memory, offload_key = self.loadable, self._memory, self.codec.offload_key
-        for key in keys:
-            if any(entries.get(key) == READY for entries in memory):
-                loadable[offload_key(key)] = key
-            else:
-                loadable.pop(offload_key(key), None)
+        with self._lock:
+            epoch = self.codec.epoch
+            for key in keys:
+                if not key.block_hash.startswith(epoch):
+                    continue
+                if any(entries.get(key) == READY for entries in memory):
+                    loadable[offload_key(key)] = key
+                else:
+                    loadable.pop(offload_key(key), None)
 
     def blocks_removed(self, keys: Sequence[BlockKey]) -> None:
-        self.removed.extend(self.codec.offload_key(key) for key in keys)
+        with self._lock:
+            current = self.codec.current
+            self.removed.extend(self.codec.offload_key(key) for key in keys if current(key))
+
+    def new_epoch(self) -> None:
+        """Move the codec to a fresh epoch and forget everything mirrored or pending report."""
+        with self._lock:
+            self.codec.new_epoch()
+            self.loadable.clear()
+            self.removed.clear()
 
     def take_removed(self) -> list[bytes]:
         """The removals not reported yet (each is returned once)."""
@@ -191,6 +206,17 @@ class OffloadRuntime:
 
     async def _snapshot(self) -> CacheStats:
         return self.core.stats()
+
+    def reset(self) -> int:
+        """Forget this engine's blocks (vLLM's connector reset); return how many memory-tier blocks were dropped.
+
+        Moves to a fresh key epoch first, so no block stored before the reset is served again — from
+        persistent tiers too, whose copies stay for other engines sharing them and age out by
+        eviction — then empties staging and deletes every unpinned block of the memory tiers.
+        """
+        self.mirror.new_epoch()
+        self.staging.clear()
+        return self.call(self.core.clear(self.memory_tiers))
 
     def close(self) -> None:
         if self._closed:

@@ -16,6 +16,7 @@ from kvtier.connectors.vllm.geometry import (
     check_vllm_version,
     kvtier_config_for_engine,
 )
+from kvtier.connectors.vllm.identity import ModelIdentity, model_identity
 from kvtier.connectors.vllm.manager import BlockTransferSpec, KVTierOffloadManager
 from kvtier.connectors.vllm.page_mover import page_movers
 from kvtier.connectors.vllm.runtime import (
@@ -44,6 +45,15 @@ def _engine_model_shape() -> tuple[int, int, bool] | None:
     model = vllm_config.model_config
     return (int(model.get_num_kv_heads(vllm_config.parallel_config)), int(model.get_head_size()),
             bool(model.use_mla))
+
+
+def _engine_identity(config: Any) -> ModelIdentity:
+    """The checkpoint's canonical name and weights identity (with the hub revision vLLM was given)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    revision = getattr(vllm_config.model_config, "revision", None) if vllm_config is not None else None
+    return model_identity(str(config.model.name), revision)
 
 
 def _build_vllm_api() -> dict[str, type]:
@@ -130,7 +140,8 @@ def _build_vllm_api() -> dict[str, type]:
 
         def get_worker(self, kv_caches: Any) -> Any:
             if self._worker is None:
-                geometry = EngineGeometry.from_offloading_config(self.config, _engine_model_shape())
+                geometry = EngineGeometry.from_offloading_config(self.config, _engine_model_shape(),
+                                                                  _engine_identity(self.config))
                 kvtier_config = kvtier_config_for_engine(self._source, geometry)
                 codec = KeyCodec([g.group_id for g in geometry.groups])
                 runtime = OffloadRuntime(kvtier_config, codec, self._staging_bytes)
