@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Container, Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 
@@ -221,6 +221,57 @@ class AsyncTieredCache:
         self._counts["stored_blocks"] += count
         return count
 
+    def plan_store(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None = None) -> Plan:
+        """Decide a store now, on the caller's thread (thread-safe, no I/O); :meth:`execute` runs it later.
+
+        For an engine whose scheduler owns placement while its workers move the bytes (vLLM): room is
+        made in the index at once, and victims that leave every tier are reported to the watchers now,
+        so the scheduler hears of an eviction from the call that caused it. The planned writes stay
+        pending (invisible to lookups, never victims) until executed. Every plan must be executed,
+        with or without its bytes, in the order planned.
+        """
+        self._check_keys(keys)
+        if hints is None:
+            hints = [InsertHint(position=i) for i in range(len(keys))]
+        with self._index_lock:
+            plan = self.residency.plan_store(keys, hints)
+            drops = [key for dropped in plan.drops for key in dropped]
+            if drops:
+                self._changed(drops)
+                demoted = {key for moves in plan.demotions for key, _ in moves}
+                self._report_removed([key for key in drops if key not in demoted])
+        return plan
+
+    async def execute(self, plan: Plan, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor | None]) -> int:
+        """Run a plan from :meth:`plan_store` with the blocks' bytes; return how many of ``keys`` are now cached.
+
+        ``blocks[i]`` is key ``i``'s block, or None when its bytes never came (its planned writes fail,
+        the rest of the plan still runs). Plans run one at a time, in the order they were submitted.
+        """
+        await self.start()
+        buffers: list[torch.Tensor | None] = list(blocks)
+        present = [i for i, block in enumerate(buffers) if block is not None]
+        for i, row in zip(present, self._byte_blocks([keys[i] for i in present],
+                                                     [cast("torch.Tensor", buffers[i]) for i in present], "blocks"),
+                          strict=True):
+            buffers[i] = row
+        assert self._mutation is not None
+        async with self._mutation:
+            stored = await self._execute(plan, keys, buffers, planned=True)
+        count = len(stored)
+        self._counts["stored_blocks"] += count
+        return count
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark each key recently used in the top-most tier holding it READY (thread-safe, no I/O)."""
+        indexes = self.residency.tiers
+        with self._index_lock:
+            for key in keys:
+                for t, index in enumerate(indexes):
+                    if index.entries.get(key) == READY:
+                        self.residency.touch(t, key)
+                        break
+
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
         """Pin each key where a readable copy is, for a read that comes later; thread-safe, never blocks on I/O.
 
@@ -259,12 +310,13 @@ class AsyncTieredCache:
                     else:
                         pins.pop(key, None)
 
-    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks) -> None:
+    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *, touch: bool = True) -> None:
         """Copy blocks that :meth:`lease` pinned in memory tiers into ``out``, on the caller's thread.
 
         Thread-safe, no I/O: the copies are memory copies, with no hop to the loop thread — whose
         wake-ups cost milliseconds next to an engine thread that keeps the GIL busy. Counts hits and
-        refreshes recency as :meth:`load` does; does not promote (the caller chose the copy where it
+        refreshes recency as :meth:`load` does (unless ``touch`` is False: an engine that reports recency
+        itself, through :meth:`touch`); does not promote (the caller chose the copy where it
         is). The pins stay: :meth:`release` them after. Raises ``ValueError`` for a key that is not
         pinned READY in its memory tier (a caller bug: such a copy could change under the read).
         """
@@ -288,8 +340,9 @@ class AsyncTieredCache:
                 tier.counters.read_seconds += elapsed
                 activity.observe("get", elapsed)
                 activity.hits += len(idx)
-                for i in idx:
-                    self.residency.touch(t, keys[i])
+                if touch:
+                    for i in idx:
+                        self.residency.touch(t, keys[i])
                 for above in self._activity[:t]:
                     above.misses += len(idx)
         with self._index_lock:
@@ -481,8 +534,13 @@ class AsyncTieredCache:
                 for src, gone in moved.items():
                     await self._safe_delete(src, gone)
 
-    async def _execute(self, plan: Plan, keys: Sequence[BlockKey], buffers: list[torch.Tensor]) -> list[int]:
-        """Run a plan bottom-up (demote, drop), then the writes; return caller indexes now stored."""
+    async def _execute(self, plan: Plan, keys: Sequence[BlockKey], buffers: Sequence[torch.Tensor | None],
+                       planned: bool = False) -> list[int]:
+        """Run a plan bottom-up (demote, drop), then the writes; return caller indexes now stored.
+
+        A write whose buffer is None fails. ``planned``: the plan came from :meth:`plan_store`, which
+        reported its victims already; only a demotion that failed is reported here.
+        """
         copied: set[BlockKey] = set()
         for t in reversed(range(len(self.tiers))):
             if plan.demotions[t]:
@@ -491,12 +549,18 @@ class AsyncTieredCache:
                 self._activity[t].evictions += len(plan.drops[t])
                 await self._safe_delete(t, plan.drops[t])
         stored: set[int] = set()
-        writes = [(t, idx) for t, idx in enumerate(plan.writes) if idx]
+        writes = [(t, [i for i in idx if buffers[i] is not None]) for t, idx in enumerate(plan.writes) if idx]
         results = await asyncio.gather(*(
             self._safe_io(t, "put", [keys[i] for i in idx], [buffers[i] for i in idx]) for t, idx in writes),
             return_exceptions=True)
         refused: BaseException | None = None  # a tier refused the caller's buffers (LayoutMismatch)
         with self._index_lock:
+            for t, idx in enumerate(plan.writes):
+                missing = [i for i in idx if buffers[i] is None]
+                for i in missing:  # the bytes never came: the planned write fails
+                    self.residency.finish_write(t, keys[i], False)
+                    self._activity[t].failed_stores += 1
+                self._changed(keys[i] for i in missing)
             for (t, idx), res in zip(writes, results, strict=True):
                 if isinstance(res, BaseException):
                     refused = refused or res
@@ -509,7 +573,10 @@ class AsyncTieredCache:
                     else:
                         self._activity[t].failed_stores += 1
                 self._changed(keys[i] for i in idx)
-            self._report_removed((k for drops in plan.drops for k in drops), copied)
+            if planned:
+                self._report_removed((k for moves in plan.demotions for k, _ in moves), copied)
+            else:
+                self._report_removed((k for drops in plan.drops for k in drops), copied)
         if refused is not None:
             raise refused
         return sorted(stored)
@@ -660,7 +727,7 @@ class TieredCache:
         """See :meth:`AsyncTieredCache.release`."""
         self.core.release(keys, where)
 
-    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks) -> None:
+    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *, touch: bool = True) -> None:
         """See :meth:`AsyncTieredCache.read_leased` (runs on the caller's thread)."""
         self.core.read_leased(keys, where, out)
 

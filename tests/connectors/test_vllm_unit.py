@@ -29,6 +29,7 @@ from kvtier.connectors.vllm import (
     FIRST_EPOCH,
     LOST,
     STAGED,
+    BlockTransferSpec,
     CudaPageMover,
     EngineGeometry,
     EngineGroup,
@@ -123,7 +124,9 @@ class Harness:
         return results[0]
 
     def store(self, keys: list[bytes], block_ids: list[int]) -> list[bytes]:
-        chosen, spec = self.manager.plan_store(keys)
+        planned = self.manager.plan_store(keys)
+        assert planned is not None, "nothing could be stored"
+        chosen, spec = planned
         if chosen:
             ids = [b for i, k in enumerate(keys) if k in chosen for b in block_ids[i * self.bpc:(i + 1) * self.bpc]]
             result = self._run(self.worker.submit_store, GpuSpec(np.array(ids, np.int32), (len(ids),), (0,)), spec)
@@ -391,7 +394,7 @@ def test_cpu_tier_store_then_hit_and_load_bit_exact(cpu_tier: list[dict[str, Any
         keys = h.keys(4)
         assert [h.manager.lookup(k) for k in keys] == [Lookup.MISS] * 4
         assert h.store(keys, [3, 4, 5, 6]) == keys
-        assert h.manager.plan_store(keys)[0] == []  # already cached: nothing to store again
+        assert h.manager.plan_store(keys) == ([], BlockTransferSpec(keys=()))  # already cached: nothing to store again
         assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 4
         expected = [h.block(0, b) for b in (3, 4, 5, 6)]
         assert h.load(keys, [20, 21, 22, 23])["success"]
@@ -493,7 +496,8 @@ def test_leased_blocks_survive_stores_that_evict(tmp_path: Path) -> None:
         expected = [h.block(0, b) for b in (0, 1, 2, 3)]
         spec = h.manager.prepare_load(keys)
         assert set(spec.sources) == {0}
-        h.store(h.keys(4, salt=1), [4, 5, 6, 7])  # a full tier of others: every lease holds
+        assert h.manager.plan_store(h.keys(4, salt=1)) is None  # every block is leased: nothing can be stored
+        assert not h.manager._storing
         assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 4
         job = 99
         h.worker.submit_load(job, spec, GpuSpec(np.array([8, 9, 10, 11], np.int32), (4,), (0,)))
@@ -576,9 +580,12 @@ def test_reset_cache_forgets_every_block_in_every_tier(tmp_path: Path) -> None:
         keys = h.keys(2)
         h.store(keys, [1, 2])
         assert h.settle(keys) == [Lookup.HIT] * 2
-        h.manager.plan_store(h.keys(1, salt=3))
+        late = h.manager.plan_store(h.keys(1, salt=3))  # planned before the reset, run by the worker after it
+        assert late is not None
         h.manager.reset_cache()
         assert not h.manager._storing
+        ids = GpuSpec(np.array([5], np.int32), (1,), (0,))
+        assert h._run(h.worker.submit_store, ids, late[1])["success"]
         assert not list(h.runtime.residency.tiers[0].keys())  # the memory tier is empty
         assert len(list(h.runtime.residency.tiers[1].keys())) == 2  # the file tier keeps them for others...
         assert h.settle(keys) == [Lookup.MISS] * 2  # ...but never serves them to this engine again
@@ -676,5 +683,40 @@ def test_a_block_read_again_after_its_staged_copy_was_loaded_is_never_absent(tmp
         h.manager.on_schedule_end()
         assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT_PENDING] * 2  # read again from the file tier
         assert h.settle(keys) == [Lookup.HIT] * 2
+    finally:
+        h.close()
+
+
+def test_the_store_that_evicts_reports_it_and_touch_decides_the_victim() -> None:
+    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    h = Harness([{"type": "cpu", "capacity": 2 * block}])
+    try:
+        first, second, third = h.keys(3)
+        h.store([first], [1])
+        h.store([second], [2])
+        h.manager.touch([first])  # the first block is now the most recently used
+        planned = h.manager.plan_store([third])
+        assert planned is not None and planned[0] == [third]
+        assert h.manager.take_removed() == [second]  # reported by the call that evicted it, not a later one
+        assert h.manager.lookup(second) == Lookup.MISS and h.manager.lookup(first) == Lookup.HIT
+        ids = GpuSpec(np.array([3], np.int32), (1,), (0,))
+        assert h._run(h.worker.submit_store, ids, planned[1])["success"]
+        h.manager.complete_store([third])
+        assert [h.manager.lookup(k) for k in (first, third)] == [Lookup.HIT] * 2
+        assert h.manager.take_removed() == []  # once
+    finally:
+        h.close()
+
+
+def test_a_load_does_not_refresh_recency_only_touch_does() -> None:
+    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    h = Harness([{"type": "cpu", "capacity": 2 * block}])
+    try:
+        first, second, third = h.keys(3)
+        h.store([first], [1])
+        h.store([second], [2])
+        assert h.load([first], [5])["success"]  # as vLLM's own manager: a load is not a use, touch is
+        h.store([third], [3])
+        assert h.manager.take_removed() == [first]
     finally:
         h.close()

@@ -16,14 +16,17 @@ from kvtier.blocks import BlockKey
 from kvtier.connectors.vllm.geometry import Lookup
 from kvtier.connectors.vllm.runtime import LOST, OffloadRuntime
 from kvtier.metrics import CacheStats
+from kvtier.residency import Plan
 
 
 @dataclass(frozen=True)
 class BlockTransferSpec:
-    """What the manager tells the worker: the blocks to move and, for loads, where each one is pinned."""
+    """What the manager tells the worker: the blocks to move; for loads, where each one is pinned; for
+    stores, the manager's :class:`~kvtier.residency.Plan` (writes per tier, demotions, drops) over ``keys``."""
 
     keys: tuple[BlockKey, ...]
     sources: tuple[int, ...] = ()
+    plan: Plan | None = None
 
 
 @dataclass
@@ -65,6 +68,8 @@ class KVTierOffloadManager:
         self.runtime = runtime
         self._codec = runtime.codec
         self._residency = runtime.residency
+        self._core = runtime.core
+        self._memory_tiers = runtime.memory_tiers
         self._loadable = runtime.mirror.loadable
         self._has_memory = bool(runtime.memory_tiers)
         self._staging = runtime.staging
@@ -177,22 +182,57 @@ class KVTierOffloadManager:
         """The worker finished a load; its read already released the pins."""
 
     def touch(self, keys: Sequence[bytes], req_context: Any = None) -> None:
-        """Recency comes from kvtier's own loads and stores; nothing to do."""
+        """Mark the blocks recently used where they are (vLLM calls this for every block a request reuses)."""
+        loadable, block_key = self._loadable, self._codec.block_key
+        self._core.touch([loadable.get(k) or block_key(k) for k in keys])
 
     # --- stores -------------------------------------------------------------------------------------
-    def plan_store(self, keys: Sequence[bytes]) -> tuple[list[bytes], BlockTransferSpec]:
-        """Chunks worth storing (no memory tier holds them; not already being stored) and their spec."""
+    def plan_store(self, keys: Sequence[bytes]) -> tuple[list[bytes], BlockTransferSpec] | None:
+        """Decide now where the chunks go, and what that evicts; the worker then only moves bytes.
+
+        Returns the chunks to store (those no memory tier holds and not already being stored, that a
+        tier has room for) and their spec, which carries kvtier's plan. None when none of the asked
+        chunks can be stored (every tier full of pinned blocks, or refused by admission): vLLM then
+        tries again later. Blocks this plan evicts from every tier are reported by the next
+        :meth:`take_removed` — vLLM's ``prepare_store`` reports them in its own output.
+        """
         chosen: list[bytes] = []
         block_keys: list[BlockKey] = []
-        loadable, storing, block_key_of = self._loadable, self._storing, self._codec.block_key
+        present: list[BlockKey] = []
+        loadable, storing, block_key_of, staging = self._loadable, self._storing, self._codec.block_key, self._staging
         for key in keys:
-            if key in storing or key in loadable:
+            held = loadable.get(key)
+            if held is not None:
+                present.append(held)
+                continue
+            if key in storing:
                 continue
             block_key = block_key_of(key)
-            if not self._has_memory and (block_key in self._staging or self._residency.locate(block_key) is not None):
+            if staging and block_key in staging:
                 continue
             chosen.append(key)
             block_keys.append(block_key)
+        if not chosen:
+            return [], self._spec_type(keys=())
+        # chain: predecessor — block_keys are one request's chunks in chain order (vLLM stores a prefix in
+        # order, group-major): the predecessor of block_keys[i] is block_keys[i - 1] of the same group, and
+        # of the first one the request's chunk before the first key asked for here.
+        # the asked chunks already stored stay: pinned while the plan makes room, never its victims
+        pinned = self._core.lease(present, self._memory_tiers) if present else None
+        try:
+            plan = self._core.plan_store(block_keys)
+        finally:
+            if pinned is not None:
+                self._core.release(present, pinned)
+        written = sorted({i for writes in plan.writes for i in writes})
+        if not written:
+            return None if not plan.skipped else ([], self._spec_type(keys=()))
+        if len(written) < len(chosen):  # the spec names only the chunks stored: renumber the plan's writes
+            position = {i: j for j, i in enumerate(written)}
+            plan.writes = [[position[i] for i in writes] for writes in plan.writes]
+            chosen = [chosen[i] for i in written]
+            block_keys = [block_keys[i] for i in written]
+        plan.skipped = []
         for key in chosen:
             storing[key] = storing.get(key, 0) + 1
         if self._absent or self._fetching:
@@ -200,7 +240,7 @@ class KVTierOffloadManager:
                 self._absent.pop(key, None)
                 self._fetching.pop(key, None)
         self.counters.stores_prepared += len(chosen)
-        return chosen, self._spec_type(keys=tuple(block_keys))
+        return chosen, self._spec_type(keys=tuple(block_keys), plan=plan)
 
     def complete_store(self, keys: Sequence[bytes], req_context: Any = None, success: bool = True) -> None:
         """The worker finished a store job: the blocks are cached, or were refused (a later miss)."""

@@ -20,7 +20,7 @@ from kvtier.config import KVTierConfig
 from kvtier.connectors.vllm.geometry import KeyCodec
 from kvtier.errors import KVTierError
 from kvtier.metrics import CacheStats
-from kvtier.residency import READY, Residency
+from kvtier.residency import READY, Plan, Residency
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -310,7 +310,7 @@ class OffloadRuntime:
                     out[i].copy_(self.staging.get(keys[i]))
             if from_tiers:
                 self.core.read_leased([keys[i] for i in from_tiers], [sources[i] for i in from_tiers],
-                                      [self._typed(keys[i], out[i]) for i in from_tiers])
+                                      [self._typed(keys[i], out[i]) for i in from_tiers], touch=False)
             return True
         finally:
             self.release(keys, sources)
@@ -328,18 +328,23 @@ class OffloadRuntime:
                 sources.append(LOST)
         return sources
 
-    async def write(self, batches: Sequence[tuple[list[BlockKey], torch.Tensor]], copied: Any = None) -> int:
-        """Store each group's blocks; return how many are now cached (a refused block is a later miss).
+    async def write(self, plan: Plan | None, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor | None],
+                    copied: Any = None) -> int:
+        """Run the manager's store plan with the blocks' bytes; return how many are now cached.
 
         ``copied``: a CUDA event after the copies that fill the blocks; waited for first (on this
         thread, with the GIL released by torch), so nothing is stored before its bytes arrived.
+        A store a tier refused is simply a later miss. A store planned before a reset writes nothing
+        (its blocks belong to the old epoch, which is never served again).
         """
         if copied is not None:
             copied.synchronize()
-        stored = 0
-        for keys, blocks in batches:
-            stored += await self.core.store(keys, blocks)
-        return stored
+        if plan is None or not keys:
+            return 0
+        current = self.codec.current
+        if not all(current(key) for key in keys):
+            blocks = [block if current(key) else None for key, block in zip(keys, blocks, strict=True)]
+        return await self.core.execute(plan, keys, blocks)
 
     def _typed(self, key: BlockKey, raw: torch.Tensor) -> torch.Tensor:
         layout = self.core.layouts[key.group_id]

@@ -88,7 +88,10 @@ def _build_vllm_api() -> dict[str, type]:
             self._medium = Medium.CPU if top == "cpu" else Medium.STORAGE
 
         def prepare_store(self, keys: Any, req_context: Any) -> Any:
-            chosen, spec = self.plan_store(keys)
+            planned = self.plan_store(keys)
+            if planned is None:
+                return None
+            chosen, spec = planned
             return PrepareStoreOutput(keys_to_store=chosen, store_spec=spec, evicted_keys=self.take_removed())
 
         def on_new_request(self, req_context: Any) -> Any:

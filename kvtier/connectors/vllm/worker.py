@@ -79,26 +79,28 @@ class KVTierOffloadWorkerCore:
             raise LayoutMismatch("every KV-cache group must use the CUDA page mover, or none")
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: BlockTransferSpec) -> bool:
-        """Copy the pages of ``dst_spec.keys`` out of the engine now; store them in the background."""
-        batches: list[tuple[list[BlockKey], torch.Tensor]] = []
+        """Copy the pages of ``dst_spec.keys`` out of the engine now; run the manager's plan in the background."""
+        keys = list(dst_spec.keys)
+        blocks: list[torch.Tensor | None] = [None] * len(keys)  # a chunk without its pages: its writes fail
+        order = {key: i for i, key in enumerate(keys)}
         nbytes = 0
-        groups = split_by_group(dst_spec.keys, src_spec.block_ids, getattr(src_spec, "group_sizes", ()),
-                                len(self.movers))
-        for g, (keys, ids) in enumerate(groups):
-            if not keys:
+        groups = split_by_group(keys, src_spec.block_ids, getattr(src_spec, "group_sizes", ()), len(self.movers))
+        for g, (group_keys, ids) in enumerate(groups):
+            if not group_keys:
                 continue
-            if len(ids) != len(keys) * self.blocks_per_chunk:
+            if len(ids) != len(group_keys) * self.blocks_per_chunk:
                 if not self._said_partial:
                     self._said_partial = True
                     log.warning("kvtier: a store of %d chunks came with %d engine blocks (sliding-window or "
-                                "null blocks); such chunks are not offloaded", len(keys), len(ids))
+                                "null blocks); such chunks are not offloaded", len(group_keys), len(ids))
                 continue
-            raw, typed = self.runtime.empty_blocks(g, len(keys), pinned=self._stream is not None)
+            raw, typed = self.runtime.empty_blocks(g, len(group_keys), pinned=self._stream is not None)
             self.movers[g].gather(torch.from_numpy(ids), raw)
-            batches.append((keys, typed))
+            for row, key in enumerate(group_keys):
+                blocks[order[key]] = typed[row]
             nbytes += raw.numel()
         copied = self._copies_done()
-        future = self.runtime.submit(self.runtime.write(batches, copied))
+        future = self.runtime.submit(self.runtime.write(dst_spec.plan, keys, blocks, copied))
         self._jobs[job_id] = _Job(future, is_load=False, nbytes=nbytes, started=time.perf_counter())
         return True
 
