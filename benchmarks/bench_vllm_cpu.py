@@ -180,17 +180,23 @@ def metadata_path(num_keys: int, batch: int, repeat: int) -> list[tuple[str, lis
     ours.on_new_request(ctx)
     out = ours.prepare_store(keys, ctx)
     _, blocks = runtime.empty_blocks(0, len(out.store_spec.keys))
-    runtime.call(runtime.core.store(list(out.store_spec.keys), blocks))
+    runtime.call(runtime.write(out.store_spec.plan, list(out.store_spec.keys), list(blocks)))
     ours.complete_store(out.keys_to_store, ctx)
 
     def lookups(manager: Any) -> Callable[[], Any]:
         lookup = manager.lookup
         return lambda: [lookup(k, ctx) for k in stream]
 
+    _, one_batch = runtime.empty_blocks(0, batch)
+
     def stores(manager: Any, pass_keys: list[list[bytes]]) -> Callable[[], None]:
         def run() -> None:
             for b in pass_keys:
-                manager.complete_store(manager.prepare_store(b, ctx).keys_to_store, ctx)
+                out = manager.prepare_store(b, ctx)
+                if manager is ours:  # kvtier's plan is the worker's to run: the index holds what it placed
+                    spec = out.store_spec
+                    runtime.call(runtime.write(spec.plan, list(spec.keys), list(one_batch[:len(spec.keys)])))
+                manager.complete_store(out.keys_to_store, ctx)
         return run
 
     def their_loads() -> None:

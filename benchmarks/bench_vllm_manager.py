@@ -181,6 +181,7 @@ def main() -> None:
     parser.add_argument("--policies", default="lru", help="comma-separated: lru (and arc for vLLM's ARC)")
     parser.add_argument("--limit", type=int, default=None, help="replay the first N requests only")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # a worker's page copies are a few KiB: intra-op threads only add wake-ups
     path = args.trace or default_trace()
     trace = read_trace(path, limit=args.limit)
     requests = [[k.block_hash.rjust(32, b"\0") + (0).to_bytes(4, "big") for k in keys] for keys in trace.requests]

@@ -285,6 +285,143 @@ def test_a_checkpoint_overwritten_in_place_never_gets_the_old_kv(tmp_path: Path)
     assert second["cached"] == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def scrape(port: int) -> dict[str, float]:
+    """kvtier's Prometheus counters of an engine in another process: ``{"stored_blocks": …, "hits/file": …}``."""
+    import urllib.request
+
+    values: dict[str, float] = {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("kvtier_stored_blocks_total"):
+                values["stored_blocks"] = float(line.split()[-1])
+            elif line.startswith("kvtier_tier_hits_total{"):
+                tier = line.split('tier="', 1)[1].split('"', 1)[0]
+                values[f"hits/{tier}"] = float(line.split()[-1])
+    return values
+
+
+def test_the_default_engine_mode_runs_the_engine_core_in_its_own_process(model: Path, reference: list[list[int]],
+                                                                         tmp_path: Path) -> None:
+    port = free_port()
+    config = {**tiers_for("file", tmp_path), "metrics": {"port": port}}
+    args = json.dumps({"mode": "default", "model": str(model), "kvtier_config": config, "port": port})
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default (this module sets 0 for itself)
+    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("KVTIER_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result = json.loads(lines[-1].removeprefix("KVTIER_RESULT "))
+    assert result["client"] == "SyncMPClient" and result["children"] >= 1  # kvtier ran in the engine core process
+    assert result["first"] == reference and result["second"] == reference
+    assert result["cached"] == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
+    assert result["metrics"]["hits/file"] == NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, kvtier_yaml: Path, log: Path) -> Iterator[Any]:
+    """``vllm serve`` in a subprocess with kvtier from a YAML file; yields an ``openai`` client for it."""
+    import signal
+    import urllib.request
+
+    import openai
+
+    port = free_port()
+    transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"spec_module_path": "kvtier.connectors.vllm",
+                                              "spec_name": "KVTierOffloadingSpec", "kvtier_config": str(kvtier_yaml)}}
+    command = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--host", "127.0.0.1",
+               "--port", str(port), "--skip-tokenizer-init", "--block-size", str(BLOCK_SIZE), "--max-model-len", "1024",
+               "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager", "--seed", "0",
+               "--prefix-caching-hash-algo", "sha256", "--kv-transfer-config", json.dumps(transfer)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # vLLM shuts down cleanly on SIGINT: in-flight stores are flushed
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def complete(client: Any, model: Path, token_prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy completions over HTTP; the generated token ids (the server has no tokenizer)."""
+    outputs = []
+    for prompt in token_prompts:
+        response = client.completions.create(model=str(model), prompt=prompt, max_tokens=4, temperature=0.0,
+                                             extra_body={"return_token_ids": True})
+        outputs.append(list(response.choices[0].token_ids))
+    return outputs
+
+
+@needs_redis
+def test_vllm_serve_with_a_kvtier_yaml_and_a_second_server_reads_its_blocks(model: Path, reference: list[list[int]],
+                                                                            tmp_path: Path) -> None:
+    import yaml
+
+    blocks = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+    ports = [free_port(), free_port()]
+    files = []
+    for i, port in enumerate(ports):
+        config = {"model": {"name": f"e2e-serve-{tmp_path.name}-{os.getpid()}"},
+                  "tiers": [{"type": "file", "path": str(tmp_path / "nvme"), "capacity": "64MiB"},
+                            {"type": "redis", "url": REDIS_URL, "ttl_seconds": 600}],
+                  "placement": {"write_mode": "write_through"}, "metrics": {"port": port}}
+        files.append(tmp_path / f"kvtier-{i}.yaml")
+        files[-1].write_text(yaml.safe_dump(config))
+
+    with vllm_server(model, files[0], tmp_path / "server-1.log") as client:
+        assert complete(client, model, prompts()) == reference
+        deadline = time.monotonic() + 30
+        while scrape(ports[0]).get("stored_blocks", 0) < blocks:
+            assert time.monotonic() < deadline, scrape(ports[0])
+            time.sleep(0.1)
+        first = scrape(ports[0])
+    assert first.get("hits/file", 0) == 0
+
+    with vllm_server(model, files[1], tmp_path / "server-2.log") as client:  # the same file tier and Redis
+        assert complete(client, model, prompts()) == reference
+        second = scrape(ports[1])
+    assert second["hits/file"] == blocks, second
+
+
+def _default_mode_main(args: dict[str, Any]) -> None:
+    """An engine in vLLM's default mode: the engine core (scheduler and worker) in a process of its own."""
+    llm = make_llm(Path(args["model"]), args["kvtier_config"])
+    client = type(llm.llm_engine.engine_core).__name__
+    first, _ = generate(llm, prompts())
+    blocks = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+    deadline = time.monotonic() + 30
+    while scrape(args["port"]).get("stored_blocks", 0) < blocks:  # stores finish in the engine core, in the background
+        assert time.monotonic() < deadline, scrape(args["port"])
+        time.sleep(0.1)
+    llm.reset_prefix_cache()
+    second, cached = generate(llm, prompts())
+    metrics = scrape(args["port"])
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()  # the engine core
+    shutdown(llm)
+    print("KVTIER_RESULT " + json.dumps({"client": client, "children": len(children), "first": first, "second": second, "cached": cached, "metrics": metrics}),
+          flush=True)
+
+
 def _second_engine_main(args: dict[str, Any]) -> None:
     llm = make_llm(Path(args["model"]), args["kvtier_config"])
     outputs, cached = generate(llm, prompts())
@@ -294,4 +431,8 @@ def _second_engine_main(args: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    _second_engine_main(json.loads(sys.argv[1]))
+    _args = json.loads(sys.argv[1])
+    if _args.get("mode") == "default":
+        _default_mode_main(_args)
+    else:
+        _second_engine_main(_args)

@@ -14,10 +14,12 @@ layers, heads and tensor-parallel rank. A ``model`` section is optional; where g
 with the engine. Optional ``kvtier_staging_bytes`` (default 256 MiB) bounds verified blocks held for
 loads when no memory tier holds them.
 
-How vLLM's calls map onto kvtier (DESIGN.md §2, §7):
+How vLLM's calls map onto kvtier (docs/vllm.md has the whole story):
 
 * Keys: vLLM's ``OffloadKey`` (block hash ‖ 4-byte big-endian group index) is
-  ``BlockKey(block hash, kvtier group)``; kvtier's groups are vLLM's offloaded groups in order.
+  ``BlockKey(epoch ‖ block hash, kvtier group)``; kvtier's groups are vLLM's offloaded groups in
+  order. The namespace names the checkpoint's weights (:mod:`.identity`); a connector reset moves
+  the engine to a fresh epoch.
 * ``lookup`` (scheduler, once per chunk, never blocks): HIT when a memory tier holds the block, or a
   verified copy waits in staging; HIT_PENDING while this engine stores it, or while a block found in
   the file tier is read and checksum-verified; RETRY while a remote tier (Redis) is asked for it;
@@ -30,11 +32,13 @@ How vLLM's calls map onto kvtier (DESIGN.md §2, §7):
   (:meth:`AsyncTieredCache.lease`: one lock, no hop to kvtier's loop thread), so neither an eviction
   nor a demotion can take them before the worker reads them; the worker's read unpins. Only a block
   that left memory since its lookup costs a hop (it is read back from a lower tier, verified).
-* ``prepare_store`` returns the chunks no memory tier holds yet; the worker gathers their pages and
-  ``TieredCache.store`` places them (evicting and demoting per the config). ``complete_store``
-  ends the pending state; a store a tier refused is simply a later miss.
-* Removals: a block that leaves every tier kvtier indexes (evicted with no lower copy, or lost or
-  corrupt) is reported in the ``evicted_keys`` of the next ``prepare_store`` and, with vLLM's KV
+* ``prepare_store`` decides on the scheduler's thread where the chunks no memory tier holds yet go,
+  and what that evicts or demotes (:meth:`AsyncTieredCache.plan_store`); the plan travels in the
+  spec and the worker executes it with the pages it gathers (:meth:`AsyncTieredCache.execute`).
+  None when no chunk can be stored. ``complete_store`` ends the pending state; a write a tier
+  refused is simply a later miss.
+* Removals: a block that leaves every tier kvtier indexes is reported in the ``evicted_keys`` of the
+  ``prepare_store`` that evicted it (a loss or corruption: of the next one) and, with vLLM's KV
   events on, as a removed ``OffloadingEvent`` — once: a ``take_events`` that comes first takes it.
   Redis expires keys on its own, unseen.
 * The worker moves pages with kvtier's copy kernel on a CUDA engine (CuPy installed): one launch

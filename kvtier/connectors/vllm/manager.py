@@ -79,6 +79,7 @@ class KVTierOffloadManager:
         self._fetching: dict[bytes, _Fetch] = {}
         self._fetch_queue: dict[tuple[str, int], list[tuple[bytes, BlockKey]]] = {}
         self._absent: dict[bytes, float] = {}
+        self._used: dict[str, list[BlockKey]] = {}  # per request: blocks it loaded or offered, in order
         self._events: list[tuple[list[bytes], bool]] | None = [] if enable_events else None
         self.counters = ManagerCounters()
 
@@ -173,6 +174,7 @@ class KVTierOffloadManager:
         loadable, block_key = self._loadable, self._codec.block_key
         block_keys = tuple([loadable.get(k) or block_key(k) for k in keys])
         sources = self.runtime.lease(block_keys)
+        self._record_use(req_context, block_keys)
         self.counters.leases += 1
         if LOST in sources:
             self.counters.lost_blocks += sources.count(LOST)
@@ -182,12 +184,28 @@ class KVTierOffloadManager:
         """The worker finished a load; its read already released the pins."""
 
     def touch(self, keys: Sequence[bytes], req_context: Any = None) -> None:
-        """Mark the blocks recently used where they are (vLLM calls this for every block a request reuses)."""
+        """Mark the blocks recently used where they are, the first one most recently (as vLLM's LRU does)."""
         loadable, block_key = self._loadable, self._codec.block_key
-        self._core.touch([loadable.get(k) or block_key(k) for k in keys])
+        self._core.touch([loadable.get(k) or block_key(k) for k in reversed(keys)])
+
+    # --- requests -----------------------------------------------------------------------------------
+    def on_request_finished(self, req_context: Any = None) -> None:
+        """A request is done: every block it loaded or offered to store counts as used now, its first
+        block most recently — the request-scoped recency of vLLM's own LRU policy."""
+        used = self._used.pop(str(getattr(req_context, "req_id", "")), None)
+        if used:
+            self._core.touch(used[::-1])
+
+    def _record_use(self, req_context: Any, block_keys: Sequence[BlockKey]) -> None:
+        req_id = str(getattr(req_context, "req_id", ""))
+        used = self._used.get(req_id)
+        if used is None:
+            self._used[req_id] = list(block_keys)
+        else:
+            used.extend(block_keys)
 
     # --- stores -------------------------------------------------------------------------------------
-    def plan_store(self, keys: Sequence[bytes]) -> tuple[list[bytes], BlockTransferSpec] | None:
+    def plan_store(self, keys: Sequence[bytes], req_context: Any = None) -> tuple[list[bytes], BlockTransferSpec] | None:
         """Decide now where the chunks go, and what that evicts; the worker then only moves bytes.
 
         Returns the chunks to store (those no memory tier holds and not already being stored, that a
@@ -212,6 +230,8 @@ class KVTierOffloadManager:
                 continue
             chosen.append(key)
             block_keys.append(block_key)
+        if present:
+            self._record_use(req_context, present)
         if not chosen:
             return [], self._spec_type(keys=())
         # chain: predecessor — block_keys are one request's chunks in chain order (vLLM stores a prefix in
@@ -233,6 +253,7 @@ class KVTierOffloadManager:
             chosen = [chosen[i] for i in written]
             block_keys = [block_keys[i] for i in written]
         plan.skipped = []
+        self._record_use(req_context, block_keys)
         for key in chosen:
             storing[key] = storing.get(key, 0) + 1
         if self._absent or self._fetching:
@@ -283,6 +304,7 @@ class KVTierOffloadManager:
         self._fetching.clear()
         self._fetch_queue.clear()
         self._absent.clear()
+        self._used.clear()
         self.runtime.reset()
 
     def kvtier_stats(self) -> CacheStats:

@@ -18,8 +18,9 @@ from kvtier.blocks import BlockKey
 from kvtier.cache import AsyncTieredCache
 from kvtier.config import KVTierConfig
 from kvtier.connectors.vllm.geometry import KeyCodec
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierConfigError, KVTierError
 from kvtier.metrics import CacheStats
+from kvtier.prometheus import MetricsServer
 from kvtier.residency import READY, Plan, Residency
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,16 @@ class OffloadRuntime:
         self.call(self.core.start())
         self.mirror = IndexMirror(codec, self.residency, self.memory_tiers)
         self.core.add_watcher(self.mirror)
+        self.metrics_server: MetricsServer | None = None
+        if self.core.metrics_endpoint is not None:  # the config's metrics.port: kvtier's counters per engine
+            address, port = self.core.metrics_endpoint
+            namespace = self.core.namespace.id if self.core.namespace else ""
+            try:
+                self.metrics_server = MetricsServer(self.stats, port, address, namespace)
+            except OSError as exc:  # the port is taken: stop what started, nothing half-starts
+                self.close()
+                raise KVTierConfigError("metrics.port", f"cannot serve metrics on {address}:{port}: "
+                                                        f"{exc.strerror or exc}") from None
 
     # --- running on the loop ----------------------------------------------------------------------
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -221,6 +232,9 @@ class OffloadRuntime:
     def close(self) -> None:
         if self._closed:
             return
+        server, self.metrics_server = getattr(self, "metrics_server", None), None
+        if server is not None:
+            server.close()
         try:
             self.call(self.core.close())
         finally:

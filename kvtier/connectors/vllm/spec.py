@@ -88,7 +88,7 @@ def _build_vllm_api() -> dict[str, type]:
             self._medium = Medium.CPU if top == "cpu" else Medium.STORAGE
 
         def prepare_store(self, keys: Any, req_context: Any) -> Any:
-            planned = self.plan_store(keys)
+            planned = self.plan_store(keys, req_context)
             if planned is None:
                 return None
             chosen, spec = planned
