@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,9 +50,9 @@ class Manager:
         self._pending: dict[bytes, tuple[list[bytes], BlockTransferSpec]] = {}
         self._engine_blocks = itertools.count()
 
-    def prepare_store(self, ns: Sequence[int]) -> tuple[list[int], list[int]] | None:
+    def prepare_store(self, ns: Sequence[int], req: Any = None) -> tuple[list[int], list[int]] | None:
         """(chunks to store, chunks evicted) as numbers, or None."""
-        planned = self.m.plan_store(keys(ns))
+        planned = self.m.plan_store(keys(ns), req)
         if planned is None:
             return None
         chosen, spec = planned
@@ -162,3 +164,21 @@ def test_reset_forgets_every_chunk(manager: Manager) -> None:
     manager.m.reset_cache()
     assert manager.lookup([1, 2]) == [M, M]
     assert manager.prepare_store([1, 2, 3, 4]) == ([1, 2, 3, 4], [])  # the whole tier is free again
+
+
+def test_a_finished_request_makes_every_block_it_used_recent_its_first_most(manager: Manager) -> None:
+    """vLLM 0.32's LRU policy: a use is a store or a request-scoped access, applied at on_request_finished
+    in reverse request order (the request's first block ends most recently used)."""
+    first, second = SimpleNamespace(req_id="first"), SimpleNamespace(req_id="second")
+    manager.prepare_store([1, 2], first)
+    manager.complete_store([1, 2])
+    manager.m.on_request_finished(first)
+    load = manager.m.prepare_load(keys([1, 2]), second)  # the second request reuses 1 and 2 as its prefix...
+    manager.h.runtime.release(load.keys, load.sources)
+    manager.m.complete_load(keys([1, 2]), second)
+    manager.prepare_store([3, 4], second)  # ...and stores 3 and 4 after them
+    manager.complete_store([3, 4])
+    manager.m.on_request_finished(second)  # uses 1, 2, 3, 4 in that order: 4 is now the oldest, 1 the newest
+    assert manager.prepare_store([5]) == ([5], [4])
+    assert manager.prepare_store([6]) == ([6], [3])
+    assert manager.prepare_store([7]) == ([7], [2])

@@ -135,8 +135,9 @@ def _build_vllm_api() -> dict[str, type]:
                 if runtime is None:
                     raise KVTierError(
                         "kvtier's vLLM manager found no kvtier worker in this process: the scheduler and the worker "
-                        "must share one process (world_size 1 and the default 'uni' executor, not "
-                        "distributed_executor_backend='mp')")
+                        "must share one process (one worker and vLLM's 'uni' executor). vLLM's CPU backend moves the "
+                        "worker to a process of its own when VLLM_ENABLE_V1_MULTIPROCESSING is on (its default): set "
+                        "VLLM_ENABLE_V1_MULTIPROCESSING=0 there; on a GPU, do not set distributed_executor_backend='mp'")
                 self._manager = KVTierOffloadingManager(
                     runtime, enable_events=self.kv_events_config.enable_kv_cache_events)
             return self._manager
