@@ -272,6 +272,65 @@ class AsyncTieredCache:
                         self.residency.touch(t, key)
                         break
 
+    def settle(self, plan: Plan, keys: Sequence[BlockKey], ok: bool = True) -> None:
+        """Record a plan as executed elsewhere (thread-safe, no I/O): its writes and demotions become
+        readable (or are forgotten when ``ok`` is False). For a scheduler whose workers, in other
+        processes, ran the plan on their own tiers (:meth:`execute` there)."""
+        with self._index_lock:
+            changed: list[BlockKey] = []
+            for t in reversed(range(len(self.tiers))):
+                for key, dst in plan.demotions[t]:
+                    self.residency.finish_demotion(t, dst, key, ok)
+                    changed.append(key)
+                    if ok:
+                        self._activity[t].demotions_out += 1
+                        self._activity[dst].stores += 1
+                self._activity[t].evictions += len(plan.drops[t])
+            for t, idx in enumerate(plan.writes):
+                for i in idx:
+                    self.residency.finish_write(t, keys[i], ok)
+                    changed.append(keys[i])
+                    if ok:
+                        self._activity[t].stores += 1
+                    else:
+                        self._activity[t].failed_stores += 1
+            self._changed(changed)
+            if not ok:
+                self._report_removed(key for moves in plan.demotions for key, _ in moves)
+
+    def read_placed(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks) -> None:
+        """Copy blocks from memory tiers where another process's index placed and pinned them.
+
+        For a worker whose scheduler (in another process) owns the index: it pinned the blocks until
+        this read is acknowledged, so they are there. Raises ``ValueError`` for a block a tier does not
+        hold (a scheduler and worker out of step: a bug, never served as data).
+        """
+        buffers = self._byte_blocks(keys, out, "out")
+        by_tier: dict[int, list[int]] = {}
+        for i, t in enumerate(where):
+            by_tier.setdefault(t, []).append(i)
+        for t, idx in by_tier.items():
+            start = time.perf_counter()
+            try:
+                views = self.tiers[t].views([keys[i] for i in idx])
+            except KeyError as exc:
+                raise ValueError(f"{exc.args[0]} is not in memory tier {self.tiers[t].name}: the scheduler's "
+                                 f"index and this worker's tiers are out of step") from None
+            for i, view in zip(idx, views, strict=True):
+                buffers[i].copy_(view)
+            elapsed = time.perf_counter() - start
+            with self._index_lock:
+                tier, activity = self.tiers[t], self._activity[t]
+                tier.counters.blocks_read += len(idx)
+                tier.counters.bytes_read += sum(buffers[i].numel() for i in idx)
+                tier.counters.read_seconds += elapsed
+                activity.observe("get", elapsed)
+                activity.hits += len(idx)
+        with self._index_lock:
+            self._counts["loads"] += 1
+            self._counts["load_blocks"] += len(keys)
+            self._counts["loaded_blocks"] += len(keys)
+
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
         """Pin each key where a readable copy is, for a read that comes later; thread-safe, never blocks on I/O.
 
@@ -350,14 +409,14 @@ class AsyncTieredCache:
             self._counts["load_blocks"] += len(keys)
             self._counts["loaded_blocks"] += len(keys)
 
-    async def clear(self, tiers: Iterable[int]) -> int:
-        """Delete every block of ``tiers`` that no read has pinned (an engine's cache reset); return how many.
+    async def clear(self, tiers: Iterable[int]) -> list[BlockKey]:
+        """Delete every block of ``tiers`` that no read has pinned (an engine's cache reset); return their keys.
 
         Self-evicting tiers (Redis) are skipped: kvtier does not know what they hold.
         """
         await self.start()
         assert self._mutation is not None
-        dropped = 0
+        dropped: list[BlockKey] = []
         async with self._mutation:  # no store is planning room in these tiers meanwhile
             for t in tiers:
                 if self.tiers[t].self_evicting:
@@ -371,7 +430,7 @@ class AsyncTieredCache:
                     self._report_removed(keys)
                 await self._safe_delete(t, keys)
                 self._activity[t].evictions += len(keys)
-                dropped += len(keys)
+                dropped += keys
         return dropped
 
     def add_watcher(self, watcher: ResidencyWatcher) -> None:
@@ -731,7 +790,7 @@ class TieredCache:
         """See :meth:`AsyncTieredCache.read_leased` (runs on the caller's thread)."""
         self.core.read_leased(keys, where, out)
 
-    def clear(self, tiers: Iterable[int]) -> int:
+    def clear(self, tiers: Iterable[int]) -> list[BlockKey]:
         """See :meth:`AsyncTieredCache.clear`."""
         return self._call(self.core.clear(tiers))
 

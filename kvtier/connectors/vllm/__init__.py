@@ -52,12 +52,15 @@ How vLLM's calls map onto kvtier (docs/vllm.md has the whole story):
 
 Modules (mirroring vLLM's ``kv_offload``): :mod:`.geometry` (versions, engine geometry, config
 merge, keys), :mod:`.runtime` (the engine's cache, staging, index mirror), :mod:`.manager`
-(scheduler side), :mod:`.worker` (worker side), :mod:`.page_mover` (page copies), :mod:`.spec`
+(scheduler side), :mod:`.scheduler_index` (the scheduler's tiers without bytes), :mod:`.worker`
+(worker side), :mod:`.page_mover` (page copies), :mod:`.spec`
 (the vLLM-facing classes, built when vLLM asks for them).
 
-Process model: the scheduler and the worker of one engine share this module's state, so they must
-run in one process (vLLM's single-worker executor: ``world_size == 1``; with or without
-``VLLM_ENABLE_V1_MULTIPROCESSING``). Larger worlds are refused with a clear error.
+Process model: when vLLM's scheduler and its one worker share a process (the ``uni`` executor), the
+manager finds the worker's runtime in this process and both use it (every tier type). When the
+workers are processes of their own (tensor parallelism, the multiprocess executor), the manager keeps
+an index-only runtime (:mod:`.scheduler_index`), plans on it and settles what vLLM completes; each
+worker executes the plans on its own tiers (memory tiers only for now; docs/vllm.md).
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ class BlockTransferSpec:
     keys: tuple[BlockKey, ...]
     sources: tuple[int, ...] = ()
     plan: Plan | None = None
+    #: the manager's index is in another process than the worker's tiers: loads are released and stores
+    #: settled by the manager (the worker only moves bytes)
+    placed: bool = False
 
 
 @dataclass
@@ -80,6 +83,12 @@ class KVTierOffloadManager:
         self._fetch_queue: dict[tuple[str, int], list[tuple[bytes, BlockKey]]] = {}
         self._absent: dict[bytes, float] = {}
         self._used: dict[str, list[BlockKey]] = {}  # per request: blocks it loaded or offered, in order
+        # with the workers in other processes (runtime.index_only): plans to settle at complete_store,
+        # pins to drop at complete_load, and blocks a reset dropped that the workers must delete
+        self._placed = runtime.index_only
+        self._plans: dict[bytes, tuple[Plan, tuple[BlockKey, ...]]] = {}
+        self._loading: dict[bytes, list[tuple[BlockKey, int]]] = {}
+        self._reset_drops: list[BlockKey] = []
         self._events: list[tuple[list[bytes], bool]] | None = [] if enable_events else None
         self.counters = ManagerCounters()
 
@@ -173,15 +182,33 @@ class KVTierOffloadManager:
         """Pin the blocks of ``keys`` (all answered HIT) until the worker has read them."""
         loadable, block_key = self._loadable, self._codec.block_key
         block_keys = tuple([loadable.get(k) or block_key(k) for k in keys])
-        sources = self.runtime.lease(block_keys)
         self._record_use(req_context, block_keys)
         self.counters.leases += 1
+        if self._placed:
+            pinned = self._core.lease(block_keys, self._memory_tiers)
+            sources = tuple(LOST if t is None else t for t in pinned)
+            for key, pinned_key, source in zip(keys, block_keys, sources, strict=True):
+                if source != LOST:
+                    self._loading.setdefault(key, []).append((pinned_key, source))
+        else:
+            sources = self.runtime.lease(block_keys)
         if LOST in sources:
             self.counters.lost_blocks += sources.count(LOST)
-        return self._spec_type(keys=block_keys, sources=sources)
+        return self._spec_type(keys=block_keys, sources=sources, placed=self._placed)
 
     def complete_load(self, keys: Sequence[bytes], req_context: Any = None) -> None:
-        """The worker finished a load; its read already released the pins."""
+        """The workers finished a load: drop its pins (a worker in this process already did, in its read)."""
+        if not self._placed:
+            return
+        released: list[tuple[BlockKey, int]] = []
+        for key in keys:
+            held = self._loading.get(key)
+            if held:
+                released.append(held.pop())
+                if not held:
+                    del self._loading[key]
+        if released:
+            self._core.release([k for k, _ in released], [t for _, t in released])
 
     def touch(self, keys: Sequence[bytes], req_context: Any = None) -> None:
         """Mark the blocks recently used where they are, the first one most recently (as vLLM's LRU does)."""
@@ -254,6 +281,13 @@ class KVTierOffloadManager:
             block_keys = [block_keys[i] for i in written]
         plan.skipped = []
         self._record_use(req_context, block_keys)
+        if self._placed:
+            if self._reset_drops:  # the workers delete what a reset dropped, in order with the stores
+                plan.drops[0].extend(self._reset_drops)
+                self._reset_drops = []
+            planned_keys = tuple(block_keys)
+            for key in chosen:
+                self._plans[key] = (plan, planned_keys)
         for key in chosen:
             storing[key] = storing.get(key, 0) + 1
         if self._absent or self._fetching:
@@ -261,10 +295,17 @@ class KVTierOffloadManager:
                 self._absent.pop(key, None)
                 self._fetching.pop(key, None)
         self.counters.stores_prepared += len(chosen)
-        return chosen, self._spec_type(keys=tuple(block_keys), plan=plan)
+        return chosen, self._spec_type(keys=tuple(block_keys), plan=plan, placed=self._placed)
 
     def complete_store(self, keys: Sequence[bytes], req_context: Any = None, success: bool = True) -> None:
-        """The worker finished a store job: the blocks are cached, or were refused (a later miss)."""
+        """The workers finished a store job: the blocks are cached, or were refused (a later miss)."""
+        if self._placed:  # the workers ran the plan on their tiers: its writes are readable now
+            settled: set[int] = set()
+            for key in keys:
+                entry = self._plans.pop(key, None)
+                if entry is not None and id(entry[0]) not in settled:
+                    settled.add(id(entry[0]))
+                    self._core.settle(entry[0], entry[1], ok=success)
         storing, done = self._storing, []
         for key in keys:
             count = storing.pop(key, 0)
@@ -305,7 +346,9 @@ class KVTierOffloadManager:
         self._fetch_queue.clear()
         self._absent.clear()
         self._used.clear()
-        self.runtime.reset()
+        dropped = self.runtime.reset()
+        if self._placed:  # the workers hold these bytes: the next store's plan deletes them there
+            self._reset_drops += dropped
 
     def kvtier_stats(self) -> CacheStats:
         return self.runtime.stats()

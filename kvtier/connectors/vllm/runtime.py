@@ -18,6 +18,7 @@ from kvtier.blocks import BlockKey
 from kvtier.cache import AsyncTieredCache
 from kvtier.config import KVTierConfig
 from kvtier.connectors.vllm.geometry import KeyCodec
+from kvtier.connectors.vllm.scheduler_index import index_only_cache
 from kvtier.errors import KVTierConfigError, KVTierError
 from kvtier.metrics import CacheStats
 from kvtier.prometheus import MetricsServer
@@ -176,10 +177,13 @@ class OffloadRuntime:
     stores and reads of slow tiers run on the loop thread; the manager's lookups read the mirror.
     """
 
-    def __init__(self, config: KVTierConfig, codec: KeyCodec, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+    def __init__(self, config: KVTierConfig, codec: KeyCodec, staging_bytes: int = DEFAULT_STAGING_BYTES, *,
+                 index_only: bool = False) -> None:
         self.config = config
         self.codec = codec
-        self.core = AsyncTieredCache.from_config(config)
+        #: the scheduler's runtime when the workers are other processes: indexes and policies, no bytes
+        self.index_only = index_only
+        self.core = index_only_cache(config) if index_only else AsyncTieredCache.from_config(config)
         self.residency = self.core.residency
         self.memory_tiers = tuple(t for t, tier in enumerate(self.core.tiers) if tier.addressable)
         self.has_remote = any(tier.self_evicting for tier in self.core.tiers)
@@ -192,8 +196,9 @@ class OffloadRuntime:
         self.mirror = IndexMirror(codec, self.residency, self.memory_tiers)
         self.core.add_watcher(self.mirror)
         self.metrics_server: MetricsServer | None = None
-        if self.core.metrics_endpoint is not None:  # the config's metrics.port: kvtier's counters per engine
+        if self.core.metrics_endpoint is not None:  # metrics.port (+ the TP rank): kvtier's counters per worker
             address, port = self.core.metrics_endpoint
+            port += config.model.tp_rank
             namespace = self.core.namespace.id if self.core.namespace else ""
             try:
                 self.metrics_server = MetricsServer(self.stats, port, address, namespace)
@@ -218,8 +223,8 @@ class OffloadRuntime:
     async def _snapshot(self) -> CacheStats:
         return self.core.stats()
 
-    def reset(self) -> int:
-        """Forget this engine's blocks (vLLM's connector reset); return how many memory-tier blocks were dropped.
+    def reset(self) -> list[BlockKey]:
+        """Forget this engine's blocks (vLLM's connector reset); return the memory-tier blocks dropped.
 
         Moves to a fresh key epoch first, so no block stored before the reset is served again — from
         persistent tiers too, whose copies stay for other engines sharing them and age out by
@@ -307,14 +312,19 @@ class OffloadRuntime:
         else:
             self.core.release(keys, sources)
 
-    def read(self, keys: Sequence[BlockKey], sources: Sequence[int], out: Sequence[torch.Tensor]) -> bool:
+    def read(self, keys: Sequence[BlockKey], sources: Sequence[int], out: Sequence[torch.Tensor], *,
+             placed: bool = False) -> bool:
         """Copy leased blocks into ``out`` (1-D uint8 each) on the caller's thread and release the leases.
 
         True if all arrived (False only when :meth:`lease` could not hold one: nothing is copied then).
         Every leased block is in memory — pinned in a memory tier or in staging — so this is memory
         copies, with no hop to the loop thread (whose wake-ups next to a busy engine thread cost
-        milliseconds each).
+        milliseconds each). ``placed``: the scheduler, in another process, pinned the blocks in its own
+        index and releases them itself (:meth:`AsyncTieredCache.read_placed`).
         """
+        if placed:
+            self.core.read_placed(keys, sources, [self._typed(key, raw) for key, raw in zip(keys, out, strict=True)])
+            return True
         try:
             if LOST in sources:
                 return False
@@ -343,20 +353,21 @@ class OffloadRuntime:
         return sources
 
     async def write(self, plan: Plan | None, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor | None],
-                    copied: Any = None) -> int:
+                    copied: Any = None, *, placed: bool = False) -> int:
         """Run the manager's store plan with the blocks' bytes; return how many are now cached.
 
         ``copied``: a CUDA event after the copies that fill the blocks; waited for first (on this
         thread, with the GIL released by torch), so nothing is stored before its bytes arrived.
         A store a tier refused is simply a later miss. A store planned before a reset writes nothing
-        (its blocks belong to the old epoch, which is never served again).
+        (its blocks belong to the old epoch, which is never served again). ``placed``: the plan comes from
+        a scheduler in another process, which owns the epoch and the index (this runtime's stays empty).
         """
         if copied is not None:
             copied.synchronize()
         if plan is None or not keys:
             return 0
         current = self.codec.current
-        if not all(current(key) for key in keys):
+        if not placed and not all(current(key) for key in keys):
             blocks = [block if current(key) else None for key, block in zip(keys, blocks, strict=True)]
         return await self.core.execute(plan, keys, blocks)
 

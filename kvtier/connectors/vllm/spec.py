@@ -15,6 +15,7 @@ from kvtier.connectors.vllm.geometry import (
     Lookup,
     check_vllm_version,
     kvtier_config_for_engine,
+    read_config_source,
 )
 from kvtier.connectors.vllm.identity import ModelIdentity, model_identity
 from kvtier.connectors.vllm.manager import BlockTransferSpec, KVTierOffloadManager
@@ -27,7 +28,8 @@ from kvtier.connectors.vllm.runtime import (
     release_runtime,
 )
 from kvtier.connectors.vllm.worker import KVTierOffloadWorkerCore
-from kvtier.errors import KVTierConfigError, KVTierError
+from kvtier.errors import KVTierConfigError, LayoutMismatch
+from kvtier.layout import parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,20 @@ def _engine_identity(config: Any) -> ModelIdentity:
     vllm_config = get_current_vllm_config_or_none()
     revision = getattr(vllm_config.model_config, "revision", None) if vllm_config is not None else None
     return model_identity(str(config.model.name), revision)
+
+
+def _shape_from_block_bytes(config: Any, source: Any) -> tuple[int, int, bool] | None:
+    """(KV heads, head size, MLA) that give each worker's block size, for a scheduler process that has no
+    vLLM model config at hand; None when the kvtier config names them itself or the model has several groups."""
+    model = read_config_source(source).get("model") or {}
+    if model.get("num_kv_heads") is not None or len(config.groups) != 1:
+        return None
+    group = config.groups[0]
+    per_value = len(group.layer_names) * 2 * int(group.tokens_per_block) * parse_dtype(str(config.model.dtype)).itemsize
+    per_block = int(config.worker_kv_bytes_per_block)
+    if per_value == 0 or per_block % per_value:
+        return None
+    return 1, per_block // per_value, False
 
 
 def _build_vllm_api() -> dict[str, type]:
@@ -114,11 +130,6 @@ def _build_vllm_api() -> dict[str, type]:
 
         def __init__(self, config: Any) -> None:
             super().__init__(config)
-            if config.parallel.world_size != 1:
-                raise KVTierError(
-                    f"kvtier's vLLM connector needs the scheduler and the worker in one process (world_size 1); "
-                    f"this engine has world_size {config.parallel.world_size} (TP {config.parallel.tp_size}, "
-                    f"PP {config.parallel.pp_size})")
             source = self.extra_config.get("kvtier_config")
             if source is None:
                 raise KVTierConfigError("kv_connector_extra_config.kvtier_config",
@@ -132,15 +143,30 @@ def _build_vllm_api() -> dict[str, type]:
         def get_manager(self) -> Any:
             if self._manager is None:
                 runtime = _RUNTIMES.get(self._engine_id)
-                if runtime is None:
-                    raise KVTierError(
-                        "kvtier's vLLM manager found no kvtier worker in this process: the scheduler and the worker "
-                        "must share one process (one worker and vLLM's 'uni' executor). vLLM's CPU backend moves the "
-                        "worker to a process of its own when VLLM_ENABLE_V1_MULTIPROCESSING is on (its default): set "
-                        "VLLM_ENABLE_V1_MULTIPROCESSING=0 there; on a GPU, do not set distributed_executor_backend='mp'")
+                if runtime is None:  # the workers are other processes: this scheduler keeps its own index
+                    runtime = self._scheduler_runtime()
                 self._manager = KVTierOffloadingManager(
                     runtime, enable_events=self.kv_events_config.enable_kv_cache_events)
             return self._manager
+
+        def _scheduler_runtime(self) -> OffloadRuntime:
+            """Indexes and policies for workers in other processes (memory tiers only, see scheduler_index)."""
+            shape = _engine_model_shape() or _shape_from_block_bytes(self.config, self._source)
+            geometry = EngineGeometry.from_offloading_config(self.config, shape, _engine_identity(self.config))
+            kvtier_config = kvtier_config_for_engine(self._source, geometry)
+            codec = KeyCodec([g.group_id for g in geometry.groups])
+            runtime = OffloadRuntime(kvtier_config, codec, self._staging_bytes, index_only=True)
+            expected = int(self.config.worker_kv_bytes_per_block) * self.blocks_per_chunk
+            sizes = {layout.nbytes for layout in runtime.core.layouts.values()}
+            if len(geometry.groups) == 1 and sizes != {expected}:
+                runtime.close()
+                raise LayoutMismatch(f"kvtier's block of this engine would be {sizes.pop()} bytes but each vLLM "
+                                     f"worker stores {expected} per offloaded block; set model.num_kv_heads and "
+                                     f"model.head_dim in the kvtier config")
+            log.info("kvtier offloading for vLLM engine %s: the scheduler plans for workers in other processes "
+                     "(world size %d), tiers %s", self._engine_id, self.config.parallel.world_size,
+                     [t.name for t in runtime.core.tiers])
+            return runtime
 
         def get_worker(self, kv_caches: Any) -> Any:
             if self._worker is None:
@@ -164,8 +190,12 @@ def _build_vllm_api() -> dict[str, type]:
                          runtime.core.namespace.id if runtime.core.namespace else "-")
             return self._worker
 
-    return {"KVTierOffloadingSpec": KVTierOffloadingSpec, "KVTierOffloadingManager": KVTierOffloadingManager,
-            "KVTierOffloadingWorker": KVTierOffloadingWorker, "KVTierLoadStoreSpec": KVTierLoadStoreSpec}
+    api: dict[str, type] = {"KVTierOffloadingSpec": KVTierOffloadingSpec,
+                            "KVTierOffloadingManager": KVTierOffloadingManager,
+                            "KVTierOffloadingWorker": KVTierOffloadingWorker, "KVTierLoadStoreSpec": KVTierLoadStoreSpec}
+    for name, cls in api.items():  # pickled by name (specs travel to worker processes): the package serves them
+        cls.__module__, cls.__qualname__ = "kvtier.connectors.vllm", name
+    return api
 
 
 def vllm_api() -> dict[str, type]:

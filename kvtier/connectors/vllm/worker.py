@@ -100,7 +100,8 @@ class KVTierOffloadWorkerCore:
                 blocks[order[key]] = typed[row]
             nbytes += raw.numel()
         copied = self._copies_done()
-        future = self.runtime.submit(self.runtime.write(dst_spec.plan, keys, blocks, copied))
+        future = self.runtime.submit(self.runtime.write(dst_spec.plan, keys, blocks, copied,
+                                                          placed=dst_spec.placed))
         self._jobs[job_id] = _Job(future, is_load=False, nbytes=nbytes, started=time.perf_counter())
         return True
 
@@ -127,12 +128,12 @@ class KVTierOffloadWorkerCore:
             nbytes += raw.numel()
         reads = [(keys[i], sources[i], out) for i, out in enumerate(outs) if out is not None]
         unread = [i for i, out in enumerate(outs) if out is None]  # a group the engine needs no blocks of
-        if unread:
+        if unread and not src_spec.placed:  # a manager in another process releases its own pins
             self.runtime.release([keys[i] for i in unread], [sources[i] for i in unread])
         future: concurrent.futures.Future[bool] = concurrent.futures.Future()
         try:
             future.set_result(self.runtime.read([key for key, _, _ in reads], [src for _, src, _ in reads],
-                                                [out for _, _, out in reads]))
+                                                [out for _, _, out in reads], placed=src_spec.placed))
         except Exception as exc:  # reported by get_finished as a failed job, never raised into the step
             future.set_exception(exc)
         job = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter(), scatters=scatters)
