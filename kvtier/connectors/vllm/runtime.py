@@ -323,6 +323,8 @@ class OffloadRuntime:
         index and releases them itself (:meth:`AsyncTieredCache.read_placed`).
         """
         if placed:
+            if any(source < 0 for source in sources):  # the scheduler could not pin one: fail, never guess
+                return False
             self.core.read_placed(keys, sources, [self._typed(key, raw) for key, raw in zip(keys, out, strict=True)])
             return True
         try:
