@@ -172,9 +172,11 @@ class OffloadRuntime:
     """One engine's kvtier state in this process: the async cache on a private loop thread, staging,
     and the index mirror.
 
-    The scheduler-side manager and the worker share it. Pins are taken, and leased blocks copied, on
-    the caller's thread under the cache's index lock (:meth:`lease`, :meth:`read`, :meth:`release`);
-    stores and reads of slow tiers run on the loop thread; the manager's lookups read the mirror.
+    When vLLM's scheduler and worker share a process, the manager and the worker share it. Pins are
+    taken, and leased blocks copied, on the caller's thread under the cache's index lock (:meth:`lease`,
+    :meth:`read`, :meth:`release`); stores and reads of slow tiers run on the loop thread; the
+    manager's lookups read the mirror. When the workers are other processes, the scheduler's runtime
+    is ``index_only`` (indexes and policies over no bytes) and each worker's runs the plans it is sent.
     """
 
     def __init__(self, config: KVTierConfig, codec: KeyCodec, staging_bytes: int = DEFAULT_STAGING_BYTES, *,
