@@ -26,7 +26,10 @@ Not a test: it prints two tables, each with its baseline measured in the same ru
 file-tier reads run on kvtier's threads, which wait for the GIL while vLLM's engine thread spins
 (docs/vllm.md).
 
-Usage: ``python benchmarks/bench_vllm_cpu.py [--requests 8] [--prompt-tokens 1500] [--shared-tokens 1024]
+``--model qwen2-0.5b`` replaces the tiny model by one of realistic depth (random weights in Qwen2-0.5B's
+shape), whose recompute costs what it costs a user.
+
+Usage: ``python benchmarks/bench_vllm_cpu.py [--model tiny|qwen2-0.5b] [--requests 8] [--prompt-tokens 1500] [--shared-tokens 1024]
 [--repeat 9] [--meta-repeat 9] [--switch-interval 0.0005]`` (needs vLLM: run it with
 ``.venv-vllm/bin/python`` after ``bash .ci/run_vllm``).
 """
@@ -67,6 +70,25 @@ def tiny_llama(path: Path) -> Path:
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def qwen2_0_5b_shape(path: Path) -> Path:
+    """Random weights in Qwen2-0.5B's shape (24 layers, hidden 896, 14 heads, 2 KV heads × 64, MLP 4864),
+    bf16, with a 32k vocabulary (the real one is 152k: the embedding does not change what a prefill
+    computes per layer): a recompute that costs what it costs a user."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=32000, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                                      tie_word_embeddings=True, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+MODELS = {"tiny": (tiny_llama, "tiny Llama (2 layers, 2 KV heads × 32, bf16)"),
+          "qwen2-0.5b": (qwen2_0_5b_shape, "random Qwen2-0.5B shape (24 layers, 2 KV heads × 64, bf16)")}
 
 
 def make_llm(model: Path, kvtier_config: dict[str, Any] | None) -> Any:
@@ -180,17 +202,23 @@ def metadata_path(num_keys: int, batch: int, repeat: int) -> list[tuple[str, lis
     ours.on_new_request(ctx)
     out = ours.prepare_store(keys, ctx)
     _, blocks = runtime.empty_blocks(0, len(out.store_spec.keys))
-    runtime.call(runtime.core.store(list(out.store_spec.keys), blocks))
+    runtime.call(runtime.write(out.store_spec.plan, list(out.store_spec.keys), list(blocks)))
     ours.complete_store(out.keys_to_store, ctx)
 
     def lookups(manager: Any) -> Callable[[], Any]:
         lookup = manager.lookup
         return lambda: [lookup(k, ctx) for k in stream]
 
+    _, one_batch = runtime.empty_blocks(0, batch)
+
     def stores(manager: Any, pass_keys: list[list[bytes]]) -> Callable[[], None]:
         def run() -> None:
             for b in pass_keys:
-                manager.complete_store(manager.prepare_store(b, ctx).keys_to_store, ctx)
+                out = manager.prepare_store(b, ctx)
+                if manager is ours:  # kvtier's plan is the worker's to run: the index holds what it placed
+                    spec = out.store_spec
+                    runtime.call(runtime.write(spec.plan, list(spec.keys), list(one_batch[:len(spec.keys)])))
+                manager.complete_store(out.keys_to_store, ctx)
         return run
 
     def their_loads() -> None:
@@ -226,6 +254,8 @@ def spread(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                        help="tiny: 2 layers (recompute nearly free); qwen2-0.5b: a model of realistic depth")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--shared-tokens", type=int, default=1024)
@@ -242,7 +272,8 @@ def main() -> None:
     import vllm
 
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
-    model = tiny_llama(workdir / "tiny-llama")
+    make_model, model_text = MODELS[args.model]
+    model = make_model(workdir / args.model)
     rng = random.Random(0)
     shared = [rng.randrange(1, 500) for _ in range(args.shared_tokens)]
     prompts = [shared + [rng.randrange(1, 500) for _ in range(args.prompt_tokens - args.shared_tokens)]
@@ -260,7 +291,7 @@ def main() -> None:
     print(f"\nvLLM {vllm.__version__} (CPU build), torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, KMP_BLOCKTIME={os.environ['KMP_BLOCKTIME']}, GIL switch interval "
           f"{(args.switch_interval or sys.getswitchinterval()) * 1e3:g} ms, load average "
-          f"{load_before[0]:.2f} → {load_after[0]:.2f}; tiny Llama (2 layers, 2 KV heads × 32, bf16), "
+          f"{load_before[0]:.2f} → {load_after[0]:.2f}; {model_text}, "
           f"block {BLOCK_SIZE} tokens")
     print(f"{args.requests} requests × {args.prompt_tokens} tokens sharing {args.shared_tokens}, sent one by one "
           f"after reset_prefix_cache, max_tokens=1; {args.repeat} interleaved rounds (one pass per engine per "

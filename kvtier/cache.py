@@ -32,7 +32,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 import torch
 
@@ -390,6 +390,123 @@ class AsyncTieredCache:
         self._counts["stored_blocks"] += count
         return count
 
+    def plan_store(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None = None) -> Plan:
+        """Decide a store now, on the caller's thread (thread-safe, no I/O); :meth:`execute` runs it later.
+
+        For an engine whose scheduler owns placement while its workers move the bytes (vLLM): room is
+        made in the index at once, and victims that leave every tier are reported to the watchers now,
+        so the scheduler hears of an eviction from the call that caused it. The planned writes stay
+        pending (invisible to lookups, never victims) until executed. Every plan must be executed,
+        with or without its bytes, in the order planned.
+        """
+        self._check_keys(keys)
+        if hints is None:
+            hints = [InsertHint(position=i) for i in range(len(keys))]
+        with self._index_lock:
+            self._check_open()
+            plan = self.residency.plan_store(keys, hints)
+            drops = [key for dropped in plan.drops for key in dropped]
+            if drops:
+                self._changed(drops)
+                demoted = {key for moves in plan.demotions for key, _ in moves}
+                self._report_removed([key for key in drops if key not in demoted])
+        return plan
+
+    @_operation
+    async def execute(self, plan: Plan, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor | None]) -> int:
+        """Run a plan from :meth:`plan_store` with the blocks' bytes; return how many of ``keys`` are now cached.
+
+        ``blocks[i]`` is key ``i``'s block, or None when its bytes never came (its planned writes fail,
+        the rest of the plan still runs). Plans run one at a time, in the order they were submitted.
+        """
+        await self.start()
+        buffers: list[torch.Tensor | None] = list(blocks)
+        present = [i for i, block in enumerate(buffers) if block is not None]
+        for i, row in zip(present, self._byte_blocks([keys[i] for i in present],
+                                                     [cast("torch.Tensor", buffers[i]) for i in present], "blocks"),
+                          strict=True):
+            buffers[i] = row
+        assert self._mutation is not None
+        async with self._mutation:
+            stored = await self._execute(plan, keys, buffers, planned=True)
+        count = len(stored)
+        self._counts["stored_blocks"] += count
+        return count
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark each key recently used in the top-most tier holding it READY (thread-safe, no I/O)."""
+        indexes = self.residency.tiers
+        with self._index_lock:
+            self._check_open()
+            for key in keys:
+                for t, index in enumerate(indexes):
+                    if index.entries.get(key) == READY:
+                        self.residency.touch(t, key)
+                        break
+
+    def settle(self, plan: Plan, keys: Sequence[BlockKey], ok: bool = True) -> None:
+        """Record a plan as executed elsewhere (thread-safe, no I/O): its writes and demotions become
+        readable (or are forgotten when ``ok`` is False). For a scheduler whose workers, in other
+        processes, ran the plan on their own tiers (:meth:`execute` there). Like :meth:`release`, a no-op
+        once closed (an engine's shutdown path may still settle)."""
+        with self._index_lock:
+            if self._closed:
+                return
+            changed: list[BlockKey] = []
+            for t in reversed(range(len(self.tiers))):
+                for key, dst in plan.demotions[t]:
+                    self.residency.finish_demotion(t, dst, key, ok)
+                    changed.append(key)
+                    if ok:
+                        self._activity[t].demotions_out += 1
+                        self._activity[dst].stores += 1
+                self._activity[t].evictions += len(plan.drops[t])
+            for t, idx in enumerate(plan.writes):
+                for i in idx:
+                    self.residency.finish_write(t, keys[i], ok)
+                    changed.append(keys[i])
+                    if ok:
+                        self._activity[t].stores += 1
+                    else:
+                        self._activity[t].failed_stores += 1
+            self._changed(changed)
+            if not ok:
+                self._report_removed(key for moves in plan.demotions for key, _ in moves)
+
+    def read_placed(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks) -> None:
+        """Copy blocks from memory tiers where another process's index placed and pinned them.
+
+        For a worker whose scheduler (in another process) owns the index: it pinned the blocks until
+        this read is acknowledged, so they are there. Raises ``ValueError`` for a block a tier does not
+        hold (a scheduler and worker out of step: a bug, never served as data).
+        """
+        self._check_open()
+        buffers = self._byte_blocks(keys, out, "out")
+        by_tier: dict[int, list[int]] = {}
+        for i, t in enumerate(where):
+            by_tier.setdefault(t, []).append(i)
+        for t, idx in by_tier.items():
+            start = time.perf_counter()
+            try:
+                views = self.tiers[t].views([keys[i] for i in idx])
+            except KeyError as exc:
+                raise ValueError(f"{exc.args[0]} is not in memory tier {self.tiers[t].name}: the scheduler's "
+                                 f"index and this worker's tiers are out of step") from None
+            for i, view in zip(idx, views, strict=True):
+                buffers[i].copy_(view)
+            elapsed = time.perf_counter() - start
+            with self._index_lock:
+                tier, activity = self.tiers[t], self._activity[t]
+                tier.counters.blocks_read += len(idx)
+                tier.counters.bytes_read += sum(buffers[i].numel() for i in idx)
+                tier.counters.read_seconds += elapsed
+                activity.observe("get", elapsed)
+                activity.hits += len(idx)
+        with self._index_lock:
+            self._counts["loads"] += 1
+            self._counts["load_blocks"] += len(keys)
+            self._counts["loaded_blocks"] += len(keys)
+
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
         """Pin each key where a readable copy is, for a read that comes later; thread-safe, never blocks on I/O.
 
@@ -433,12 +550,13 @@ class AsyncTieredCache:
                     else:
                         pins.pop(key, None)
 
-    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks) -> None:
+    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *, touch: bool = True) -> None:
         """Copy blocks that :meth:`lease` pinned in memory tiers into ``out``, on the caller's thread.
 
         Thread-safe, no I/O: the copies are memory copies, with no hop to the loop thread — whose
         wake-ups cost milliseconds next to an engine thread that keeps the GIL busy. Counts hits and
-        refreshes recency as :meth:`load` does; does not promote (the caller chose the copy where it
+        refreshes recency as :meth:`load` does (unless ``touch`` is False: an engine that reports recency
+        itself, through :meth:`touch`); does not promote (the caller chose the copy where it
         is). The pins stay: :meth:`release` them after. Raises ``ValueError`` for a key that is not
         pinned READY in its memory tier (a caller bug: such a copy could change under the read).
         """
@@ -453,12 +571,13 @@ class AsyncTieredCache:
                 by_tier.setdefault(t, []).append(i)
             self._leased_reads += 1
         try:
-            self._copy_leased(keys, buffers, by_tier)
+            self._copy_leased(keys, buffers, by_tier, touch)
         finally:
             with self._index_lock:
                 self._leased_reads -= 1
 
-    def _copy_leased(self, keys: Sequence[BlockKey], buffers: list[torch.Tensor], by_tier: dict[int, list[int]]) -> None:
+    def _copy_leased(self, keys: Sequence[BlockKey], buffers: list[torch.Tensor], by_tier: dict[int, list[int]],
+                     touch: bool) -> None:
         for t, idx in by_tier.items():
             start = time.perf_counter()
             for i, view in zip(idx, self.tiers[t].views([keys[i] for i in idx]), strict=True):
@@ -471,14 +590,40 @@ class AsyncTieredCache:
                 tier.counters.read_seconds += elapsed
                 activity.observe("get", elapsed)
                 activity.hits += len(idx)
-                for i in idx:
-                    self.residency.touch(t, keys[i])
+                if touch:
+                    for i in idx:
+                        self.residency.touch(t, keys[i])
                 for above in self._activity[:t]:
                     above.misses += len(idx)
         with self._index_lock:
             self._counts["loads"] += 1
             self._counts["load_blocks"] += len(keys)
             self._counts["loaded_blocks"] += len(keys)
+
+    @_operation
+    async def clear(self, tiers: Iterable[int]) -> list[BlockKey]:
+        """Delete every block of ``tiers`` that no read has pinned (an engine's cache reset); return their keys.
+
+        Self-evicting tiers (Redis) are skipped: kvtier does not know what they hold.
+        """
+        await self.start()
+        assert self._mutation is not None
+        dropped: list[BlockKey] = []
+        async with self._mutation:  # no store is planning room in these tiers meanwhile
+            for t in tiers:
+                if self.tiers[t].self_evicting:
+                    continue
+                index = self.residency.tiers[t]
+                with self._index_lock:
+                    keys = [key for key in index.keys() if key not in index.pins]
+                    for key in keys:
+                        self.residency.forget(t, key)
+                    self._changed(keys)
+                    self._report_removed(keys)
+                await self._safe_delete(t, keys)
+                self._activity[t].evictions += len(keys)
+                dropped += keys
+        return dropped
 
     def add_watcher(self, watcher: ResidencyWatcher) -> None:
         """Tell ``watcher`` of index changes from now on, after reporting every indexed key to it once."""
@@ -641,8 +786,13 @@ class AsyncTieredCache:
                 for src, gone in moved.items():
                     await self._safe_delete(src, gone)
 
-    async def _execute(self, plan: Plan, keys: Sequence[BlockKey], buffers: list[torch.Tensor]) -> list[int]:
-        """Run a plan bottom-up (demote, drop), then the writes; return caller indexes now stored."""
+    async def _execute(self, plan: Plan, keys: Sequence[BlockKey], buffers: Sequence[torch.Tensor | None],
+                       planned: bool = False) -> list[int]:
+        """Run a plan bottom-up (demote, drop), then the writes; return caller indexes now stored.
+
+        A write whose buffer is None fails. ``planned``: the plan came from :meth:`plan_store`, which
+        reported its victims already; only a demotion that failed is reported here.
+        """
         copied: set[BlockKey] = set()
         for t in reversed(range(len(self.tiers))):
             if plan.demotions[t]:
@@ -651,12 +801,18 @@ class AsyncTieredCache:
                 self._activity[t].evictions += len(plan.drops[t])
                 await self._safe_delete(t, plan.drops[t])
         stored: set[int] = set()
-        writes = [(t, idx) for t, idx in enumerate(plan.writes) if idx]
+        writes = [(t, [i for i in idx if buffers[i] is not None]) for t, idx in enumerate(plan.writes) if idx]
         results = await asyncio.gather(*(
             self._safe_io(t, "put", [keys[i] for i in idx], [buffers[i] for i in idx]) for t, idx in writes),
             return_exceptions=True)
         refused: BaseException | None = None  # a tier refused the caller's buffers (LayoutMismatch)
         with self._index_lock:
+            for t, idx in enumerate(plan.writes):
+                missing = [i for i in idx if buffers[i] is None]
+                for i in missing:  # the bytes never came: the planned write fails
+                    self.residency.finish_write(t, keys[i], False)
+                    self._activity[t].failed_stores += 1
+                self._changed(keys[i] for i in missing)
             for (t, idx), res in zip(writes, results, strict=True):
                 if isinstance(res, BaseException):
                     refused = refused or res
@@ -669,7 +825,10 @@ class AsyncTieredCache:
                     else:
                         self._activity[t].failed_stores += 1
                 self._changed(keys[i] for i in idx)
-            self._report_removed((k for drops in plan.drops for k in drops), copied)
+            if planned:
+                self._report_removed((k for moves in plan.demotions for k, _ in moves), copied)
+            else:
+                self._report_removed((k for drops in plan.drops for k in drops), copied)
         for t, tier in enumerate(self.tiers):
             if tier.capacity_version != self._capacity_seen[t]:
                 await self._follow_capacity(t)
@@ -896,9 +1055,13 @@ class TieredCache:
         """See :meth:`AsyncTieredCache.release`."""
         self.core.release(keys, where)
 
-    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks) -> None:
+    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *, touch: bool = True) -> None:
         """See :meth:`AsyncTieredCache.read_leased` (runs on the caller's thread)."""
-        self.core.read_leased(keys, where, out)
+        self.core.read_leased(keys, where, out, touch=touch)
+
+    def clear(self, tiers: Iterable[int]) -> list[BlockKey]:
+        """See :meth:`AsyncTieredCache.clear`."""
+        return self._call(self.core.clear(tiers))
 
     def add_watcher(self, watcher: ResidencyWatcher) -> None:
         """See :meth:`AsyncTieredCache.add_watcher`."""

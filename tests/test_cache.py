@@ -373,3 +373,19 @@ def test_a_lost_block_is_reported_removed(tmp_path: Path) -> None:
         out = torch.empty((2, *layout.shape), dtype=layout.dtype)
         assert cache.load(keys, out) == 1
         assert recorder.removed == keys[1:]
+
+
+def test_clear_empties_the_chosen_tiers_but_keeps_pinned_blocks(two_tier_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(3), random_blocks(3, layout, seed=4)
+    two_tier_config = {**two_tier_config, "placement": {"write_mode": "write_through"}}
+    with TieredCache.from_config(two_tier_config) as cache:
+        assert cache.store(keys, blocks) == 3
+        assert cache.lease(keys[:1], [0]) == [0]  # a read in flight pins the first block
+        assert sorted(cache.clear([0])) == sorted(keys[1:])
+        assert cache.stats().tiers[0].usage_bytes == layout.nbytes
+        out = torch.empty((3, *layout.shape), dtype=layout.dtype)
+        cache.read_leased(keys[:1], [0], out[:1])
+        cache.release(keys[:1], [0])
+        assert same(out[0], blocks[0])
+        assert cache.load(keys, out) == 3 and same(out, blocks)  # the file tier still holds every block

@@ -15,7 +15,7 @@ SEARCHED = ("kvtier", "tests", "benchmarks", "examples", "docs", "README.md")
 SUFFIXES = {".py", ".md", ".cu", ".yaml", ".yml", ".sh", ".txt"}
 #: Files still citing DESIGN.md while other branches rewrite them; the replacement lines are listed in
 #: issue 16's closing note. Empty this once they are merged.
-PENDING_DESIGN_CITATIONS = {"kvtier/connectors/vllm.py"}
+PENDING_DESIGN_CITATIONS: set[str] = set()
 
 _CITATION = re.compile(r"architecture\.md#([A-Za-z0-9_-]+)")
 _DESIGN = re.compile(r"DESIGN(\.md|\s*§)")

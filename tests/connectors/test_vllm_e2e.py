@@ -46,7 +46,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 500) for _ in range(PROMPT_TOKENS)] for _ in range(NUM_PROMPTS)]
 
 
-def make_llm(model: Path, kvtier_config: dict[str, Any] | None) -> Any:
+def make_llm(model: Path, kvtier_config: dict[str, Any] | None, **engine: Any) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -57,7 +57,7 @@ def make_llm(model: Path, kvtier_config: dict[str, Any] | None) -> Any:
             "kvtier_config": kvtier_config})
     return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=1024,
                kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, prefix_caching_hash_algo="sha256",
-               kv_transfer_config=transfer)
+               kv_transfer_config=transfer, **engine)
 
 
 def generate(llm: Any, token_prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -77,14 +77,13 @@ def shutdown(llm: Any) -> None:
 
 
 def wait_for_stores(blocks: int, timeout: float = 20.0) -> None:
-    """Stores finish in the background after ``generate`` returns; wait until ``blocks`` landed in every tier.
+    """Stores finish in the background after ``generate`` returns; wait until ``blocks`` were stored.
 
-    Every tier, not their sum: with write-through, a reload that starts while the lower tiers are
-    still being written races those writes for the small memory tier, and where hits come from
-    becomes a matter of timing.
+    kvtier counts a block once its store job ran to the end, in every tier its plan named, so a
+    reload never races the writes of the lower tiers for the small memory tier.
     """
     deadline = time.monotonic() + timeout
-    while min(t.stores for t in engine_stats().tiers) < blocks:
+    while engine_stats().stored_blocks < blocks:
         assert time.monotonic() < deadline, engine_stats()
         time.sleep(0.05)
 
@@ -235,6 +234,138 @@ def test_a_corrupted_block_is_a_miss_and_the_output_stays_correct(engine: Any, r
     assert stats.tiers[0].hits == 0
 
 
+def test_a_connector_reset_stops_kvtier_serving_the_old_blocks(engine: Any, reference: list[list[int]],
+                                                                tmp_path: Path) -> None:
+    tiers = _tiers("all" if redis_up() else "file", tmp_path)
+    llm = engine({"model": {"name": f"e2e-reset-{tmp_path.name}-{os.getpid()}"}, **tiers})
+    blocks = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+    assert generate(llm, prompts())[0] == reference
+    wait_for_stores(blocks)
+
+    assert llm.reset_prefix_cache(reset_connector=True)
+    stats = engine_stats()
+    assert all(t.usage_bytes == 0 for t in stats.tiers if t.kind == "cpu")  # memory tiers emptied
+    outputs, cached = generate(llm, prompts())
+    assert outputs == reference and cached == [0] * NUM_PROMPTS  # nothing from before the reset came back
+    wait_for_stores(2 * blocks)
+
+    llm.reset_prefix_cache()  # the GPU prefix cache only: what was stored since the reset is served
+    outputs, cached = generate(llm, prompts())
+    assert outputs == reference and cached == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
+
+
+def test_a_checkpoint_overwritten_in_place_never_gets_the_old_kv(tmp_path: Path) -> None:
+    import torch
+    import transformers
+
+    path = tmp_path / "ckpt"
+    make_model(path)
+    config = {"model": {"name": f"e2e-weights-{tmp_path.name}-{os.getpid()}"}, **_tiers("file", tmp_path)}
+    llm = make_llm(path, config)
+    generate(llm, prompts())
+    shutdown(llm)  # flushes the stores
+
+    model = transformers.LlamaForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.5)
+    model.save_pretrained(path)  # same path, new weights
+    fresh = make_llm(path, None)
+    reference = generate(fresh, prompts())[0]
+    shutdown(fresh)
+
+    relative = Path(os.path.relpath(path))  # and named another way: one checkpoint, one namespace
+    llm = make_llm(relative, config)
+    outputs, cached = generate(llm, prompts())
+    assert outputs == reference and cached == [0] * NUM_PROMPTS
+    wait_for_stores(NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE))
+    shutdown(llm)
+    second = run_second_engine(path.resolve(), config)
+    assert second["outputs"] == reference
+    assert second["cached"] == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def scrape(port: int) -> dict[str, float]:
+    """kvtier's Prometheus counters of an engine in another process: ``{"stored_blocks": …, "hits/file": …}``."""
+    import urllib.request
+
+    values: dict[str, float] = {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("kvtier_stored_blocks_total"):
+                values["stored_blocks"] = float(line.split()[-1])
+            elif line.startswith("kvtier_tier_hits_total{"):
+                tier = line.split('tier="', 1)[1].split('"', 1)[0]
+                values[f"hits/{tier}"] = float(line.split()[-1])
+    return values
+
+
+def run_split_engine(model: Path, tmp_path: Path, env: dict[str, str] | None = None, **engine: Any) -> dict[str, Any]:
+    """An engine whose workers are processes of their own, in a subprocess: vLLM's default mode on its CPU
+    platform (the multiprocess executor) and, with ``tensor_parallel_size``, one worker per TP rank."""
+    port = free_port()
+    config = {**tiers_for("cpu", tmp_path), "metrics": {"port": port}}
+    args = json.dumps({"mode": "split", "model": str(model), "kvtier_config": config, "port": port, "engine": engine})
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}  # vLLM's default (this module: 0)
+    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("KVTIER_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("KVTIER_RESULT "))
+    return result
+
+
+def test_the_default_engine_mode_with_the_worker_in_its_own_process(model: Path, reference: list[list[int]],
+                                                                    tmp_path: Path) -> None:
+    result = run_split_engine(model, tmp_path)
+    assert result["client"] == "SyncMPClient" and result["backend"] == "mp"  # the scheduler and worker apart
+    assert result["plain"] == reference and result["first"] == reference and result["second"] == reference
+    assert result["cached"] == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
+    assert result["metrics"][0]["hits/cpu"] == NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+
+
+def test_tensor_parallel_2_each_rank_holds_its_heads(model: Path, tmp_path: Path) -> None:
+    # vLLM's CPU workers bind their OpenMP threads to NUMA nodes, one node per worker by default: on a machine
+    # with one node, each rank gets cores by hand (here the first two; CI machines have at least two).
+    result = run_split_engine(model, tmp_path, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
+                              distributed_executor_backend="mp")
+    assert result["plain"] == result["first"] == result["second"]  # token-identical to TP 2 without kvtier
+    assert result["cached"] == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
+    blocks = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+    assert [m["hits/cpu"] for m in result["metrics"]] == [blocks, blocks]  # both ranks served their shard
+
+
+def _split_engine_main(args: dict[str, Any]) -> None:
+    """Runs in a subprocess: outputs without kvtier, then with it (the workers in processes of their own)."""
+    engine = args["engine"]
+    plain_llm = make_llm(Path(args["model"]), None, **engine)
+    plain, _ = generate(plain_llm, prompts())
+    shutdown(plain_llm)
+    llm = make_llm(Path(args["model"]), args["kvtier_config"], **engine)
+    client = type(llm.llm_engine.engine_core).__name__
+    backend = str(llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend)
+    ports = [args["port"] + rank for rank in range(int(engine.get("tensor_parallel_size", 1)))]
+    first, _ = generate(llm, prompts())
+    blocks = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+    deadline = time.monotonic() + 60
+    while min(scrape(port).get("stored_blocks", 0) for port in ports) < blocks:  # stores land in the background
+        assert time.monotonic() < deadline, [scrape(port) for port in ports]
+        time.sleep(0.1)
+    llm.reset_prefix_cache()
+    second, cached = generate(llm, prompts())
+    metrics = [scrape(port) for port in ports]
+    shutdown(llm)
+    print("KVTIER_RESULT " + json.dumps({"client": client, "backend": backend, "plain": plain, "first": first,
+                                         "second": second, "cached": cached, "metrics": metrics}), flush=True)
+
+
 def _second_engine_main(args: dict[str, Any]) -> None:
     llm = make_llm(Path(args["model"]), args["kvtier_config"])
     outputs, cached = generate(llm, prompts())
@@ -244,4 +375,8 @@ def _second_engine_main(args: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    _second_engine_main(json.loads(sys.argv[1]))
+    _args = json.loads(sys.argv[1])
+    if _args.get("mode") == "split":
+        _split_engine_main(_args)
+    else:
+        _second_engine_main(_args)

@@ -25,8 +25,11 @@ from hypothesis import strategies as st
 
 from kvtier.blocks import BlockKey
 from kvtier.connectors.vllm import (
+    EPOCH_BYTES,
+    FIRST_EPOCH,
     LOST,
     STAGED,
+    BlockTransferSpec,
     CudaPageMover,
     EngineGeometry,
     EngineGroup,
@@ -34,11 +37,13 @@ from kvtier.connectors.vllm import (
     KVTierOffloadManager,
     KVTierOffloadWorkerCore,
     Lookup,
+    ModelIdentity,
     OffloadRuntime,
     PageMover,
     UnsupportedVLLM,
     check_vllm_version,
     kvtier_config_for_engine,
+    model_identity,
     page_movers,
 )
 from kvtier.errors import KVTierConfigError, LayoutMismatch
@@ -67,7 +72,8 @@ class GpuSpec:
 
 def geometry(groups: tuple[tuple[int, int, int], ...] = ((0, 32, 2),), bpc: int = 1, **kw: Any) -> EngineGeometry:
     tokens_per_hash = min(tpb for _, tpb, _ in groups)
-    return EngineGeometry(model_name="tiny-llama", dtype="bfloat16", tokens_per_hash=tokens_per_hash,
+    kw.setdefault("model_name", "tiny-llama")
+    return EngineGeometry(dtype="bfloat16", tokens_per_hash=tokens_per_hash,
                           blocks_per_chunk=bpc, groups=tuple(EngineGroup(*g) for g in groups),
                           kv_cache_layout="LBHNC", num_kv_heads=HEADS, head_dim=DIM, mla=False, **kw)
 
@@ -118,7 +124,9 @@ class Harness:
         return results[0]
 
     def store(self, keys: list[bytes], block_ids: list[int]) -> list[bytes]:
-        chosen, spec = self.manager.plan_store(keys)
+        planned = self.manager.plan_store(keys)
+        assert planned is not None, "nothing could be stored"
+        chosen, spec = planned
         if chosen:
             ids = [b for i, k in enumerate(keys) if k in chosen for b in block_ids[i * self.bpc:(i + 1) * self.bpc]]
             result = self._run(self.worker.submit_store, GpuSpec(np.array(ids, np.int32), (len(ids),), (0,)), spec)
@@ -170,10 +178,63 @@ def test_importing_kvtier_and_the_adapter_never_imports_vllm() -> None:
 def test_key_codec_maps_vllm_group_ids_to_kvtier_groups() -> None:
     codec = KeyCodec([0, 2])
     key = b"h" * 32 + (2).to_bytes(4, "big")
-    assert codec.block_key(key) == BlockKey(b"h" * 32, 1)
+    assert codec.block_key(key) == BlockKey(FIRST_EPOCH + b"h" * 32, 1)
     assert codec.offload_key(codec.block_key(key)) == key
     with pytest.raises(LayoutMismatch, match="group 1"):
         codec.block_key(b"h" * 32 + (1).to_bytes(4, "big"))
+
+
+@given(st.binary(min_size=1, max_size=48), st.sampled_from([0, 3, 7]))
+def test_key_codec_epochs_round_trip_and_never_collide(block_hash: bytes, group: int) -> None:
+    codec = KeyCodec([0, 3, 7])
+    key = block_hash + group.to_bytes(4, "big")
+    before = codec.block_key(key)
+    assert codec.current(before) and codec.offload_key(before) == key
+    codec.new_epoch()
+    after = codec.block_key(key)
+    assert after != before and codec.offload_key(after) == key
+    assert codec.current(after) and not codec.current(before)
+    assert len(after.block_hash) == EPOCH_BYTES + len(block_hash)
+
+
+# --- the checkpoint's identity ---------------------------------------------------------------------------
+def checkpoint(path: Path, weights: bytes = b"w" * 64) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
+    (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+def test_one_checkpoint_named_two_ways_has_one_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = checkpoint(tmp_path / "models" / "tiny")
+    (tmp_path / "link").symlink_to(tmp_path / "models")
+    monkeypatch.chdir(tmp_path)
+    named = [model_identity(name) for name in ("models/tiny", str(ckpt), "./link/tiny/", str(tmp_path / "link/tiny"))]
+    assert len(set(named)) == 1 and named[0].name == str(ckpt.resolve())
+    configs = [kvtier_config_for_engine({"tiers": [{"type": "cpu", "capacity": "1MiB"}]},
+                                        geometry(model_name=i.name, weights_id=i.weights)) for i in named]
+    assert len({c.model.name for c in configs}) == 1
+
+
+def test_a_checkpoint_overwritten_in_place_gets_a_new_identity(tmp_path: Path) -> None:
+    ckpt = checkpoint(tmp_path / "tiny")
+    before = model_identity(str(ckpt))
+    checkpoint(ckpt, b"v" * 65)  # new weights, same path
+    after = model_identity(str(ckpt))
+    assert after.name == before.name and after.weights != before.weights
+    stat = (ckpt / "model.safetensors").stat()
+    os.utime(ckpt / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert model_identity(str(ckpt)).weights != after.weights  # same size, rewritten later
+    (ckpt / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 3}')
+    assert model_identity(str(ckpt)).weights != after.weights
+    tiers = {"tiers": [{"type": "cpu", "capacity": "1MiB"}]}
+    assert kvtier_config_for_engine(tiers, geometry(model_name=before.name, weights_id=before.weights)).model.name \
+        != kvtier_config_for_engine(tiers, geometry(model_name=after.name, weights_id=after.weights)).model.name
+
+
+def test_a_hub_id_that_is_not_cached_is_named_by_its_revision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    assert model_identity("org/never-downloaded", "abc123") == ModelIdentity("org/never-downloaded", "rev-abc123")
 
 
 # --- config merge ----------------------------------------------------------------------------------------
@@ -333,7 +394,7 @@ def test_cpu_tier_store_then_hit_and_load_bit_exact(cpu_tier: list[dict[str, Any
         keys = h.keys(4)
         assert [h.manager.lookup(k) for k in keys] == [Lookup.MISS] * 4
         assert h.store(keys, [3, 4, 5, 6]) == keys
-        assert h.manager.plan_store(keys)[0] == []  # already cached: nothing to store again
+        assert h.manager.plan_store(keys) == ([], BlockTransferSpec(keys=()))  # already cached: nothing to store again
         assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 4
         expected = [h.block(0, b) for b in (3, 4, 5, 6)]
         assert h.load(keys, [20, 21, 22, 23])["success"]
@@ -435,7 +496,8 @@ def test_leased_blocks_survive_stores_that_evict(tmp_path: Path) -> None:
         expected = [h.block(0, b) for b in (0, 1, 2, 3)]
         spec = h.manager.prepare_load(keys)
         assert set(spec.sources) == {0}
-        h.store(h.keys(4, salt=1), [4, 5, 6, 7])  # a full tier of others: every lease holds
+        assert h.manager.plan_store(h.keys(4, salt=1)) is None  # every block is leased: nothing can be stored
+        assert not h.manager._storing
         assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 4
         job = 99
         h.worker.submit_load(job, spec, GpuSpec(np.array([8, 9, 10, 11], np.int32), (4,), (0,)))
@@ -511,17 +573,44 @@ def test_groups_with_their_own_block_sizes(cpu_tier: list[dict[str, Any]]) -> No
         h.close()
 
 
-def test_reset_cache_drops_manager_state_but_not_the_tiers(cpu_tier: list[dict[str, Any]]) -> None:
-    h = Harness(cpu_tier)
+def test_reset_cache_forgets_every_block_in_every_tier(tmp_path: Path) -> None:
+    tiers = [{"type": "cpu", "capacity": "1MiB"}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
+    h = Harness(tiers, placement={"write_mode": "write_through"})
     try:
         keys = h.keys(2)
         h.store(keys, [1, 2])
-        h.manager.plan_store(h.keys(1, salt=3))
+        assert h.settle(keys) == [Lookup.HIT] * 2
+        late = h.manager.plan_store(h.keys(1, salt=3))  # planned before the reset, run by the worker after it
+        assert late is not None
         h.manager.reset_cache()
         assert not h.manager._storing
-        assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 2
+        ids = GpuSpec(np.array([5], np.int32), (1,), (0,))
+        assert h._run(h.worker.submit_store, ids, late[1])["success"]
+        assert not list(h.runtime.residency.tiers[0].keys())  # the memory tier is empty
+        assert len(list(h.runtime.residency.tiers[1].keys())) == 2  # the file tier keeps them for others...
+        assert h.settle(keys) == [Lookup.MISS] * 2  # ...but never serves them to this engine again
+        assert h.manager.take_removed() == []  # vLLM's reset already forgot them: nothing to report
+        assert h.store(keys, [3, 4]) == keys  # stored again in the new epoch, and served from it
+        expected = [h.block(0, b) for b in (3, 4)]
+        assert h.settle(keys) == [Lookup.HIT] * 2 and h.load(keys, [9, 10])["success"]
+        assert all(torch.equal(a, w) for b, want in zip((9, 10), expected, strict=True)
+                   for a, w in zip(h.block(0, b), want, strict=True))
     finally:
         h.close()
+
+
+def test_after_a_reset_other_engines_still_share_the_persistent_blocks(tmp_path: Path) -> None:
+    tiers = [{"type": "cpu", "capacity": "1MiB"}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
+    first = Harness(tiers, placement={"write_mode": "write_through"})
+    keys = first.keys(2)
+    first.store(keys, [1, 2])
+    first.manager.reset_cache()
+    first.close()
+    second = Harness(tiers, seed=5)  # a fresh engine starts in the first epoch: the blocks are its own too
+    try:
+        assert second.settle(keys) == [Lookup.HIT] * 2
+    finally:
+        second.close()
 
 
 def test_prepare_load_and_the_read_never_wait_for_kvtiers_loop_thread(cpu_tier: list[dict[str, Any]]) -> None:
@@ -596,3 +685,114 @@ def test_a_block_read_again_after_its_staged_copy_was_loaded_is_never_absent(tmp
         assert h.settle(keys) == [Lookup.HIT] * 2
     finally:
         h.close()
+
+
+def test_the_store_that_evicts_reports_it_and_touch_decides_the_victim() -> None:
+    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    h = Harness([{"type": "cpu", "capacity": 2 * block}])
+    try:
+        first, second, third = h.keys(3)
+        h.store([first], [1])
+        h.store([second], [2])
+        h.manager.touch([first])  # the first block is now the most recently used
+        planned = h.manager.plan_store([third])
+        assert planned is not None and planned[0] == [third]
+        assert h.manager.take_removed() == [second]  # reported by the call that evicted it, not a later one
+        assert h.manager.lookup(second) == Lookup.MISS and h.manager.lookup(first) == Lookup.HIT
+        ids = GpuSpec(np.array([3], np.int32), (1,), (0,))
+        assert h._run(h.worker.submit_store, ids, planned[1])["success"]
+        h.manager.complete_store([third])
+        assert [h.manager.lookup(k) for k in (first, third)] == [Lookup.HIT] * 2
+        assert h.manager.take_removed() == []  # once
+    finally:
+        h.close()
+
+
+def test_a_load_does_not_refresh_recency_only_touch_does() -> None:
+    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    h = Harness([{"type": "cpu", "capacity": 2 * block}])
+    try:
+        first, second, third = h.keys(3)
+        h.store([first], [1])
+        h.store([second], [2])
+        assert h.load([first], [5])["success"]  # as vLLM's own manager: a load is not a use, touch is
+        h.store([third], [3])
+        assert h.manager.take_removed() == [first]
+    finally:
+        h.close()
+
+
+# --- the scheduler and the workers in different processes (tensor parallel, vLLM's multiprocess executor) ---
+class Ranks:
+    """vLLM's split: one manager over an index-only runtime, and one worker per TP rank with its own tiers
+    and its own KV pages (another seed per rank: the ranks' bytes differ, as their heads do)."""
+
+    def __init__(self, tiers: list[dict[str, Any]], ranks: int = 2) -> None:
+        self.workers = [Harness(tiers, seed=10 + r) for r in range(ranks)]
+        config = kvtier_config_for_engine({"tiers": tiers}, geometry())
+        self.manager = KVTierOffloadManager(OffloadRuntime(config, KeyCodec([0]), index_only=True))
+        self._jobs = itertools.count()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.manager.runtime.close()
+
+    def run(self, submit: str, *args: Any) -> None:
+        """The same job on every rank (vLLM sends each worker the same metadata)."""
+        for w in self.workers:
+            assert w._run(getattr(w.worker, submit), *args)["success"]
+
+    def store(self, keys: list[bytes], block_ids: list[int]) -> list[bytes]:
+        planned = self.manager.plan_store(keys)
+        assert planned is not None
+        chosen, spec = planned
+        assert spec.placed and not chosen or spec.plan is not None
+        if chosen:
+            ids = [block_ids[keys.index(k)] for k in chosen]
+            self.run("submit_store", GpuSpec(np.array(ids, np.int32), (len(ids),), (0,)), spec)
+        self.manager.complete_store(chosen)
+        return chosen
+
+    def load(self, keys: list[bytes], block_ids: list[int]) -> None:
+        spec = self.manager.prepare_load(keys)
+        self.run("submit_load", spec, GpuSpec(np.array(block_ids, np.int32), (len(block_ids),), (0,)))
+        self.manager.complete_load(keys)
+
+
+def test_ranks_in_other_processes_hold_their_own_bytes_of_the_blocks_the_manager_placed() -> None:
+    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    ranks = Ranks([{"type": "cpu", "capacity": 3 * block, "eviction": "lru"}])
+    try:
+        keys = ranks.workers[0].keys(3)
+        expected = [[w.block(0, b) for b in (1, 2, 3)] for w in ranks.workers]
+        assert ranks.store(keys, [1, 2, 3]) == keys
+        assert [ranks.manager.lookup(k) for k in keys] == [Lookup.HIT] * 3
+        ranks.load(keys, [7, 8, 9])
+        for w, want in zip(ranks.workers, expected, strict=True):  # each rank got its own pages back
+            assert all(torch.equal(a, b) for blk, exp in zip((7, 8, 9), want, strict=True)
+                       for a, b in zip(w.block(0, blk), exp, strict=True))
+        manager_index = ranks.manager.runtime.residency.tiers[0]
+        assert not manager_index.pins  # complete_load dropped the manager's pins
+        assert all(not list(w.runtime.residency.tiers[0].keys()) for w in ranks.workers)  # workers decide nothing
+
+        more = ranks.workers[0].keys(2, salt=1)
+        assert ranks.store(more, [4, 5]) == more
+        assert ranks.manager.take_removed() == keys[:2]  # evicted by that prepare_store (vLLM reports them there)...
+        assert [ranks.manager.lookup(k) for k in keys] == [Lookup.MISS, Lookup.MISS, Lookup.HIT]
+        assert all(w.runtime.core.tiers[0].usage_bytes() == 3 * block for w in ranks.workers)  # ...and deleted
+
+        ranks.manager.reset_cache()
+        assert [ranks.manager.lookup(k) for k in more] == [Lookup.MISS] * 2
+        fresh = ranks.workers[0].keys(1, salt=2)
+        assert ranks.store(fresh, [6]) == fresh  # its plan also deletes what the reset dropped, on every rank
+        assert all(w.runtime.core.tiers[0].usage_bytes() == block for w in ranks.workers)
+    finally:
+        ranks.close()
+
+
+def test_workers_in_other_processes_take_memory_tiers_only_for_now(tmp_path: Path) -> None:
+    tiers = [{"type": "cpu", "capacity": "1MiB"}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
+    config = kvtier_config_for_engine({"tiers": tiers}, geometry())
+    with pytest.raises(KVTierConfigError, match=r"^tiers\[1\]\.type: is 'file'.*cpu tiers only"):
+        OffloadRuntime(config, KeyCodec([0]), index_only=True)

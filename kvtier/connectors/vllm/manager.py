@@ -1,0 +1,354 @@
+"""The scheduler side: vLLM's ``OffloadingManager`` calls over an :class:`OffloadRuntime`.
+
+Independent of vLLM's classes (``kvtier.connectors.vllm.spec`` subclasses it as vLLM's manager), so
+the main suite drives it with a harness.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.blocks import BlockKey
+from kvtier.connectors.vllm.geometry import Lookup
+from kvtier.connectors.vllm.runtime import LOST, OffloadRuntime
+from kvtier.metrics import CacheStats
+from kvtier.residency import Plan
+
+
+@dataclass(frozen=True)
+class BlockTransferSpec:
+    """What the manager tells the worker: the blocks to move; for loads, where each one is pinned; for
+    stores, the manager's :class:`~kvtier.residency.Plan` (writes per tier, demotions, drops) over ``keys``."""
+
+    keys: tuple[BlockKey, ...]
+    sources: tuple[int, ...] = ()
+    plan: Plan | None = None
+    #: the manager's index is in another process than the worker's tiers: loads are released and stores
+    #: settled by the manager (the worker only moves bytes)
+    placed: bool = False
+
+
+@dataclass
+class ManagerCounters:
+    fetches: int = 0
+    fetched_blocks: int = 0
+    leases: int = 0
+    lost_blocks: int = 0
+    stores_prepared: int = 0
+
+
+@dataclass
+class _Fetch:
+    pending_hit: bool  # True: an indexed tier holds it (HIT_PENDING); False: a remote probe (RETRY)
+    position: int  # in its chain: the read staged this key if it staged more than ``position`` keys
+    future: concurrent.futures.Future[int] | None = None
+
+    def staged_it(self) -> bool:
+        """Whether the finished read staged this key (a failed read did not)."""
+        assert self.future is not None
+        return self.future.exception() is None and self.future.result() > self.position
+
+
+class KVTierOffloadManager:
+    """vLLM's scheduler-side calls over an :class:`OffloadRuntime` (independent of vLLM's classes).
+
+    Called on the scheduler thread only. ``lookup`` never blocks; ``prepare_load`` takes the cache's
+    index lock once (the pins), and hops to kvtier's loop thread only for a block that left memory
+    since its lookup; everything else is bookkeeping. Events (``enable_events``) are vLLM's
+    ``(offload keys, removed)`` pairs in the order they happened.
+    """
+
+    def __init__(self, runtime: OffloadRuntime, *, results: Mapping[Lookup, Any] | None = None,
+                 spec_type: Callable[..., BlockTransferSpec] = BlockTransferSpec, absent_ttl: float = 1.0,
+                 enable_events: bool = False) -> None:
+        answer = dict(results) if results is not None else {r: r for r in Lookup}
+        self._hit, self._miss = answer[Lookup.HIT], answer[Lookup.MISS]
+        self._pending, self._retry = answer[Lookup.HIT_PENDING], answer[Lookup.RETRY]
+        self.runtime = runtime
+        self._codec = runtime.codec
+        self._residency = runtime.residency
+        self._core = runtime.core
+        self._memory_tiers = runtime.memory_tiers
+        self._loadable = runtime.mirror.loadable
+        self._has_memory = bool(runtime.memory_tiers)
+        self._staging = runtime.staging
+        self._spec_type = spec_type
+        self._absent_ttl = absent_ttl
+        self._storing: dict[bytes, int] = {}
+        self._fetching: dict[bytes, _Fetch] = {}
+        self._fetch_queue: dict[tuple[str, int], list[tuple[bytes, BlockKey]]] = {}
+        self._absent: dict[bytes, float] = {}
+        self._used: dict[str, list[BlockKey]] = {}  # per request: blocks it loaded or offered, in order
+        # with the workers in other processes (runtime.index_only): plans to settle at complete_store,
+        # pins to drop at complete_load, and blocks a reset dropped that the workers must delete
+        self._placed = runtime.index_only
+        self._plans: dict[bytes, tuple[Plan, tuple[BlockKey, ...]]] = {}
+        self._loading: dict[bytes, list[tuple[BlockKey, int]]] = {}
+        self._reset_drops: list[BlockKey] = []
+        self._events: list[tuple[list[bytes], bool]] | None = [] if enable_events else None
+        self.counters = ManagerCounters()
+
+    # --- lookups ------------------------------------------------------------------------------------
+    def lookup(self, key: bytes, req_context: Any = None) -> Any:
+        """Whether one chunk can be loaded now (HIT), soon (HIT_PENDING / RETRY), or not (MISS)."""
+        if key in self._loadable:
+            return self._hit
+        return self._lookup_slow(key, req_context)
+
+    def _lookup_slow(self, key: bytes, req_context: Any) -> Any:
+        block_key = self._codec.block_key(key)
+        fetch = self._fetching.get(key)
+        if fetch is not None:
+            if fetch.future is None or not fetch.future.done():
+                return self._hit if block_key in self._staging else (
+                    self._pending if fetch.pending_hit else self._retry)
+            if self._settle_fetch(key, block_key):
+                return self._hit
+            # the read failed (absent below), or its copy was loaded since: look again
+        if block_key in self._staging:
+            return self._hit
+        if key in self._storing:
+            return self._pending
+        expiry = self._absent.get(key)
+        if expiry is not None:
+            if expiry > time.monotonic():
+                return self._miss
+            del self._absent[key]
+        if self._residency.locate(block_key) is not None:
+            self._queue_fetch(key, block_key, req_context, pending_hit=True)
+            return self._pending
+        if self.runtime.has_remote:
+            self._queue_fetch(key, block_key, req_context, pending_hit=False)
+            return self._retry
+        return self._miss
+
+    def _queue_fetch(self, key: bytes, block_key: BlockKey, req_context: Any, *, pending_hit: bool) -> None:
+        req_id = str(getattr(req_context, "req_id", ""))
+        chain = self._fetch_queue.setdefault((req_id, block_key.group_id), [])
+        self._fetching[key] = _Fetch(pending_hit, position=len(chain))
+        chain.append((key, block_key))
+
+    def _settle_fetch(self, key: bytes, block_key: BlockKey) -> bool:
+        """Forget a finished read; whether the block is loadable now.
+
+        A block the read could not stage (missing, corrupt, a tier down) is absent for a while: not
+        asked for again at every lookup. One it staged that a load has consumed since is not: the
+        next lookup reads it again.
+        """
+        fetch = self._fetching.pop(key)
+        if key in self._loadable or block_key in self._staging:
+            return True
+        if not fetch.staged_it():
+            self._absent[key] = time.monotonic() + self._absent_ttl
+        return False
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        """Start the reads that this step's lookups asked for: one verified chain read per request and group.
+
+        Reads that finished and were not looked at again are settled here, so no state goes stale.
+        While reads are in flight the engine thread yields the GIL once per step: vLLM's engine loop
+        steps without waiting for them, and with the default 5 ms switch interval kvtier's reader
+        threads would otherwise get the GIL a few times per request (file-tier TTFT 141.5 ms → 6.3 ms
+        on the tiny-model benchmark, benchmarks/results/vllm_cpu.txt).
+        """
+        for key, fetch in list(self._fetching.items()):
+            if fetch.future is not None and fetch.future.done():
+                self._settle_fetch(key, self._codec.block_key(key))
+        for chain in self._fetch_queue.values():
+            future = self.runtime.submit(self.runtime.fetch([block_key for _, block_key in chain]))
+            self.counters.fetches += 1
+            self.counters.fetched_blocks += len(chain)
+            for key, _ in chain:
+                queued = self._fetching.get(key)
+                if queued is not None:
+                    queued.future = future
+        self._fetch_queue.clear()
+        if self._fetching:
+            time.sleep(0)  # hand the GIL to kvtier's I/O threads; returns at once when nothing else runs
+        if len(self._absent) > 65536:
+            now = time.monotonic()
+            self._absent = {k: t for k, t in self._absent.items() if t > now}
+
+    def has_pending_work(self) -> bool:
+        """True while reads started by lookups are in flight (the engine must keep stepping)."""
+        return any(fetch.future is None or not fetch.future.done() for fetch in self._fetching.values())
+
+    # --- loads --------------------------------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[bytes], req_context: Any = None) -> BlockTransferSpec:
+        """Pin the blocks of ``keys`` (all answered HIT) until the worker has read them."""
+        loadable, block_key = self._loadable, self._codec.block_key
+        block_keys = tuple([loadable.get(k) or block_key(k) for k in keys])
+        self._record_use(req_context, block_keys)
+        self.counters.leases += 1
+        if self._placed:
+            pinned = self._core.lease(block_keys, self._memory_tiers)
+            sources = tuple(LOST if t is None else t for t in pinned)
+            for key, pinned_key, source in zip(keys, block_keys, sources, strict=True):
+                if source != LOST:
+                    self._loading.setdefault(key, []).append((pinned_key, source))
+        else:
+            sources = self.runtime.lease(block_keys)
+        if LOST in sources:
+            self.counters.lost_blocks += sources.count(LOST)
+        return self._spec_type(keys=block_keys, sources=sources, placed=self._placed)
+
+    def complete_load(self, keys: Sequence[bytes], req_context: Any = None) -> None:
+        """The workers finished a load: drop its pins (a worker in this process already did, in its read)."""
+        if not self._placed:
+            return
+        released: list[tuple[BlockKey, int]] = []
+        for key in keys:
+            held = self._loading.get(key)
+            if held:
+                released.append(held.pop())
+                if not held:
+                    del self._loading[key]
+        if released:
+            self._core.release([k for k, _ in released], [t for _, t in released])
+
+    def touch(self, keys: Sequence[bytes], req_context: Any = None) -> None:
+        """Mark the blocks recently used where they are, the first one most recently (as vLLM's LRU does)."""
+        loadable, block_key = self._loadable, self._codec.block_key
+        self._core.touch([loadable.get(k) or block_key(k) for k in reversed(keys)])
+
+    # --- requests -----------------------------------------------------------------------------------
+    def on_request_finished(self, req_context: Any = None) -> None:
+        """A request is done: every block it loaded or offered to store counts as used now, its first
+        block most recently — the request-scoped recency of vLLM's own LRU policy."""
+        used = self._used.pop(str(getattr(req_context, "req_id", "")), None)
+        if used:
+            self._core.touch(used[::-1])
+
+    def _record_use(self, req_context: Any, block_keys: Sequence[BlockKey]) -> None:
+        req_id = str(getattr(req_context, "req_id", ""))
+        used = self._used.get(req_id)
+        if used is None:
+            self._used[req_id] = list(block_keys)
+        else:
+            used.extend(block_keys)
+
+    # --- stores -------------------------------------------------------------------------------------
+    def plan_store(self, keys: Sequence[bytes], req_context: Any = None) -> tuple[list[bytes], BlockTransferSpec] | None:
+        """Decide now where the chunks go, and what that evicts; the worker then only moves bytes.
+
+        Returns the chunks to store (those no memory tier holds and not already being stored, that a
+        tier has room for) and their spec, which carries kvtier's plan. None when none of the asked
+        chunks can be stored (every tier full of pinned blocks, or refused by admission): vLLM then
+        tries again later. Blocks this plan evicts from every tier are reported by the next
+        :meth:`take_removed` — vLLM's ``prepare_store`` reports them in its own output.
+        """
+        chosen: list[bytes] = []
+        block_keys: list[BlockKey] = []
+        present: list[BlockKey] = []
+        loadable, storing, block_key_of, staging = self._loadable, self._storing, self._codec.block_key, self._staging
+        for key in keys:
+            held = loadable.get(key)
+            if held is not None:
+                present.append(held)
+                continue
+            if key in storing:
+                continue
+            block_key = block_key_of(key)
+            if staging and block_key in staging:
+                continue
+            chosen.append(key)
+            block_keys.append(block_key)
+        if present:
+            self._record_use(req_context, present)
+        if not chosen:
+            return [], self._spec_type(keys=())
+        # chain: predecessor — block_keys are one request's chunks in chain order (vLLM stores a prefix in
+        # order, group-major): the predecessor of block_keys[i] is block_keys[i - 1] of the same group, and
+        # of the first one the request's chunk before the first key asked for here.
+        # the asked chunks already stored stay: pinned while the plan makes room, never its victims
+        pinned = self._core.lease(present, self._memory_tiers) if present else None
+        try:
+            plan = self._core.plan_store(block_keys)
+        finally:
+            if pinned is not None:
+                self._core.release(present, pinned)
+        written = sorted({i for writes in plan.writes for i in writes})
+        if not written:
+            return None if not plan.skipped else ([], self._spec_type(keys=()))
+        if len(written) < len(chosen):  # the spec names only the chunks stored: renumber the plan's writes
+            position = {i: j for j, i in enumerate(written)}
+            plan.writes = [[position[i] for i in writes] for writes in plan.writes]
+            chosen = [chosen[i] for i in written]
+            block_keys = [block_keys[i] for i in written]
+        plan.skipped = []
+        self._record_use(req_context, block_keys)
+        if self._placed:
+            if self._reset_drops:  # the workers delete what a reset dropped, in order with the stores
+                plan.drops[0].extend(self._reset_drops)
+                self._reset_drops = []
+            planned_keys = tuple(block_keys)
+            for key in chosen:
+                self._plans[key] = (plan, planned_keys)
+        for key in chosen:
+            storing[key] = storing.get(key, 0) + 1
+        if self._absent or self._fetching:
+            for key in chosen:
+                self._absent.pop(key, None)
+                self._fetching.pop(key, None)
+        self.counters.stores_prepared += len(chosen)
+        return chosen, self._spec_type(keys=tuple(block_keys), plan=plan, placed=self._placed)
+
+    def complete_store(self, keys: Sequence[bytes], req_context: Any = None, success: bool = True) -> None:
+        """The workers finished a store job: the blocks are cached, or were refused (a later miss)."""
+        if self._placed:  # the workers ran the plan on their tiers: its writes are readable now
+            settled: set[int] = set()
+            for key in keys:
+                entry = self._plans.pop(key, None)
+                if entry is not None and id(entry[0]) not in settled:
+                    settled.add(id(entry[0]))
+                    self._core.settle(entry[0], entry[1], ok=success)
+        storing, done = self._storing, []
+        for key in keys:
+            count = storing.pop(key, 0)
+            if count > 1:
+                storing[key] = count - 1
+            elif count:
+                done.append(key)
+        if self._events is not None and success and done:
+            self._events.append((done, False))
+
+    # --- removals and events ------------------------------------------------------------------------
+    def take_removed(self) -> list[bytes]:
+        """Offload keys of blocks that left every kvtier tier since the last report (each reported once)."""
+        if not self.runtime.mirror.removed:
+            return []
+        removed = self.runtime.mirror.take_removed()
+        if self._events is not None:
+            self._events.append((removed, True))
+        return removed
+
+    def take_event_keys(self) -> list[tuple[list[bytes], bool]]:
+        """The ``(offload keys, removed)`` events since the last call, oldest first."""
+        if self._events is None:
+            return []
+        self.take_removed()
+        events, self._events = self._events, []
+        return events
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    def reset_cache(self) -> None:
+        """Forget every block (vLLM's ``reset_prefix_cache(reset_connector=True)``).
+
+        In-flight manager state and staged copies go; the runtime moves to a fresh key epoch (nothing
+        stored before is served again, from any tier) and empties its memory tiers.
+        """
+        self._storing.clear()
+        self._fetching.clear()
+        self._fetch_queue.clear()
+        self._absent.clear()
+        self._used.clear()
+        dropped = self.runtime.reset()
+        if self._placed:  # the workers hold these bytes: the next store's plan deletes them there
+            self._reset_drops += dropped
+
+    def kvtier_stats(self) -> CacheStats:
+        return self.runtime.stats()

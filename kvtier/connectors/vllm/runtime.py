@@ -1,0 +1,429 @@
+"""One engine's kvtier state: the async cache on a private loop thread, verified staging for loads,
+and the mirror of kvtier's index that the scheduler's lookups read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar, cast
+
+import torch
+
+from kvtier.blocks import BlockKey
+from kvtier.cache import AsyncTieredCache
+from kvtier.config import KVTierConfig
+from kvtier.connectors.vllm.geometry import KeyCodec
+from kvtier.connectors.vllm.scheduler_index import index_only_cache
+from kvtier.errors import KVTierConfigError, KVTierError
+from kvtier.metrics import CacheStats
+from kvtier.prometheus import MetricsServer
+from kvtier.residency import READY, Plan, Residency
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: ``prepare_load`` source of a block served from staging, and of a block that could not be held.
+STAGED = -1
+LOST = -2
+
+DEFAULT_STAGING_BYTES = 256 << 20
+
+
+class Staging:
+    """Verified blocks held in memory until a load copies them into the engine; LRU within a byte budget.
+
+    Thread-safe: fetches add blocks on kvtier's loop thread, the scheduler pins them, the worker reads
+    them. A pinned block is never dropped.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._blocks: OrderedDict[BlockKey, torch.Tensor] = OrderedDict()
+        self._pins: dict[BlockKey, int] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def put(self, key: BlockKey, block: torch.Tensor, *, pinned: bool = False) -> bool:
+        """Hold ``block`` (1-D uint8, not copied); False when unpinned blocks cannot make room."""
+        size = block.numel()
+        with self._lock:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                if pinned:
+                    self._pins[key] = self._pins.get(key, 0) + 1
+                return True
+            for victim in [k for k in self._blocks if k not in self._pins]:
+                if self.used_bytes + size <= self.capacity_bytes:
+                    break
+                self.used_bytes -= self._blocks.pop(victim).numel()
+            if self.used_bytes + size > self.capacity_bytes:
+                return False
+            self._blocks[key] = block
+            self.used_bytes += size
+            if pinned:
+                self._pins[key] = self._pins.get(key, 0) + 1
+            return True
+
+    def pin_each(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Pin every held key of ``keys`` (one lock for the batch); which ones were held."""
+        held = []
+        with self._lock:
+            for key in keys:
+                if key in self._blocks:
+                    self._pins[key] = self._pins.get(key, 0) + 1
+                    self._blocks.move_to_end(key)
+                    held.append(True)
+                else:
+                    held.append(False)
+        return held
+
+    def unpin(self, key: BlockKey) -> None:
+        with self._lock:
+            count = self._pins.get(key, 0) - 1
+            if count > 0:
+                self._pins[key] = count
+            else:
+                self._pins.pop(key, None)
+
+    def discard(self, key: BlockKey) -> None:
+        """Drop a block unless a load still has it pinned."""
+        with self._lock:
+            if key in self._blocks and key not in self._pins:
+                self.used_bytes -= self._blocks.pop(key).numel()
+
+    def get(self, key: BlockKey) -> torch.Tensor:
+        """The held block (the caller has it pinned)."""
+        return self._blocks[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in [k for k in self._blocks if k not in self._pins]:
+                self.used_bytes -= self._blocks.pop(key).numel()
+
+
+#: removals kept for vLLM until it asks (reported once; the oldest go first if it never asks)
+MAX_REMOVED_KEYS = 1 << 16
+
+
+class IndexMirror:
+    """kvtier's index as vLLM's scheduler asks about it, kept current by the cache (a ``ResidencyWatcher``).
+
+    ``loadable`` maps the offload key (vLLM's bytes) of every block a memory tier holds READY to its
+    :class:`BlockKey`, so a lookup is one dict probe on the engine's own key and ``prepare_load``
+    decodes nothing. It is written on kvtier's loop thread, with the cache's index lock held, and read
+    on the scheduler's thread: each is one dict operation, atomic under the GIL. A lookup sees a change
+    a moment late at most, as if it had looked a moment earlier; ``prepare_load`` never trusts the
+    mirror but pins under the lock. ``removed`` collects the offload keys of blocks that left every
+    tier, for vLLM's removal reports. Only keys of the codec's current epoch are mirrored or reported:
+    after a reset (:meth:`new_epoch`) nothing stored before it reaches vLLM again.
+    """
+
+    def __init__(self, codec: KeyCodec, residency: Residency, memory_tiers: Sequence[int]) -> None:
+        self.codec = codec
+        self.loadable: dict[bytes, BlockKey] = {}
+        self.removed: deque[bytes] = deque(maxlen=MAX_REMOVED_KEYS)
+        self._memory = [residency.tiers[t].entries for t in memory_tiers]
+        self._lock = threading.Lock()  # an epoch change and a change of the index never interleave
+
+    def residency_changed(self, keys: Sequence[BlockKey]) -> None:
+        loadable, memory, offload_key = self.loadable, self._memory, self.codec.offload_key
+        with self._lock:
+            epoch = self.codec.epoch
+            for key in keys:
+                if not key.block_hash.startswith(epoch):
+                    continue
+                if any(entries.get(key) == READY for entries in memory):
+                    loadable[offload_key(key)] = key
+                else:
+                    loadable.pop(offload_key(key), None)
+
+    def blocks_removed(self, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            current = self.codec.current
+            self.removed.extend(self.codec.offload_key(key) for key in keys if current(key))
+
+    def new_epoch(self) -> None:
+        """Move the codec to a fresh epoch and forget everything mirrored or pending report."""
+        with self._lock:
+            self.codec.new_epoch()
+            self.loadable.clear()
+            self.removed.clear()
+
+    def take_removed(self) -> list[bytes]:
+        """The removals not reported yet (each is returned once)."""
+        removed, out = self.removed, []
+        while removed:
+            out.append(removed.popleft())
+        return out
+
+
+class OffloadRuntime:
+    """One engine's kvtier state in this process: the async cache on a private loop thread, staging,
+    and the index mirror.
+
+    When vLLM's scheduler and worker share a process, the manager and the worker share it. Pins are
+    taken, and leased blocks copied, on the caller's thread under the cache's index lock (:meth:`lease`,
+    :meth:`read`, :meth:`release`); stores and reads of slow tiers run on the loop thread; the
+    manager's lookups read the mirror. When the workers are other processes, the scheduler's runtime
+    is ``index_only`` (indexes and policies over no bytes) and each worker's runs the plans it is sent.
+    """
+
+    def __init__(self, config: KVTierConfig, codec: KeyCodec, staging_bytes: int = DEFAULT_STAGING_BYTES, *,
+                 index_only: bool = False) -> None:
+        self.config = config
+        self.codec = codec
+        #: the scheduler's runtime when the workers are other processes: indexes and policies, no bytes
+        self.index_only = index_only
+        self.core = index_only_cache(config) if index_only else AsyncTieredCache.from_config(config)
+        self.residency = self.core.residency
+        self.memory_tiers = tuple(t for t, tier in enumerate(self.core.tiers) if tier.addressable)
+        self.has_remote = any(tier.self_evicting for tier in self.core.tiers)
+        self.staging = Staging(staging_bytes)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-vllm", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self.call(self.core.start())
+        self.mirror = IndexMirror(codec, self.residency, self.memory_tiers)
+        self.core.add_watcher(self.mirror)
+        self.metrics_server: MetricsServer | None = None
+        if self.core.metrics_endpoint is not None:  # metrics.port (+ the TP rank): kvtier's counters per worker
+            address, port = self.core.metrics_endpoint
+            port += config.model.tp_rank
+            namespace = self.core.namespace.id if self.core.namespace else ""
+            try:
+                self.metrics_server = MetricsServer(self.stats, port, address, namespace)
+            except OSError as exc:  # the port is taken: stop what started, nothing half-starts
+                self.close()
+                raise KVTierConfigError("metrics.port", f"cannot serve metrics on {address}:{port}: "
+                                                        f"{exc.strerror or exc}") from None
+
+    # --- running on the loop ----------------------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self._closed:
+            coro.close()
+            raise KVTierError("the kvtier offloading runtime is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.submit(coro).result()
+
+    def stats(self) -> CacheStats:
+        return self.call(self._snapshot())
+
+    async def _snapshot(self) -> CacheStats:
+        return self.core.stats()
+
+    def reset(self) -> list[BlockKey]:
+        """Forget this engine's blocks (vLLM's connector reset); return the memory-tier blocks dropped.
+
+        Moves to a fresh key epoch first, so no block stored before the reset is served again — from
+        persistent tiers too, whose copies stay for other engines sharing them and age out by
+        eviction — then empties staging and deletes every unpinned block of the memory tiers.
+        """
+        self.mirror.new_epoch()
+        self.staging.clear()
+        return self.call(self.core.clear(self.memory_tiers))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        server, self.metrics_server = getattr(self, "metrics_server", None), None
+        if server is not None:
+            server.close()
+        try:
+            self.call(self.core.close())
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    # --- block buffers ------------------------------------------------------------------------------
+    def empty_blocks(self, group_id: int, count: int, *, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` blocks of a group: (``[count, nbytes]`` uint8, the same memory typed as the layout).
+
+        ``pinned``: page-locked (torch's caching host allocator reuses freed ones), for CUDA page moves.
+        """
+        layout = self.core.layouts[group_id]
+        with torch.inference_mode(False):  # vLLM's worker runs in inference mode; kvtier's loop writes these
+            raw = torch.empty((count, layout.nbytes), dtype=torch.uint8, pin_memory=pinned)
+        return raw, raw.view(layout.dtype).view(count, *layout.shape)
+
+    # --- coroutines (run on the loop thread) ------------------------------------------------------------
+    async def fetch(self, keys: Sequence[BlockKey]) -> int:
+        """Read a chain of one group's keys from wherever they are, verified, and stage the copies.
+
+        Returns how many leading keys are now loadable. A block failing its checksum is a miss (and is
+        dropped by the cache), so it is never promised to the engine. The staged copy, not the memory
+        tier the cache may also promote it to, is what a later load reads: a small memory tier churned
+        by other promotions cannot take a promised block away.
+        """
+        buffers = [self.empty_blocks(key.group_id, 1) for key in keys]
+        loaded = await self.core.load(keys, [typed[0] for _, typed in buffers])
+        ready = 0
+        for i in range(loaded):
+            if self.staging.put(keys[i], buffers[i][0][0]):
+                ready += 1
+            else:
+                break
+        return ready
+
+    # --- pins (any thread) ---------------------------------------------------------------------------
+    def lease(self, keys: Sequence[BlockKey]) -> tuple[int, ...]:
+        """Pin each block where it is for a coming load; return its source per key. Thread-safe.
+
+        Source: a memory tier index (pinned there), :data:`STAGED` (pinned in staging), or :data:`LOST`
+        when a block vanished since lookup and could not be read back verified. Blocks in staging or
+        a memory tier are pinned on the caller's thread; only one that left memory since its lookup
+        costs a hop to the loop thread, which reads it back from a lower tier into staging.
+        """
+        staged = self.staging.pin_each(keys) if len(self.staging) else None
+        rest = keys if staged is None else [key for key, held in zip(keys, staged, strict=True) if not held]
+        where = self.core.lease(rest, self.memory_tiers)
+        if staged is None and None not in where:
+            return cast("tuple[int, ...]", tuple(where))  # no None in it
+        leased = iter(where)
+        sources: list[int | None] = [STAGED if staged is not None and staged[i] else next(leased)
+                                     for i in range(len(keys))]
+        missing = [i for i, source in enumerate(sources) if source is None]
+        if missing:
+            for i, source in zip(missing, self.call(self._read_back([keys[i] for i in missing])), strict=True):
+                sources[i] = source
+        return tuple(source if source is not None else LOST for source in sources)
+
+    def release(self, keys: Sequence[BlockKey], sources: Sequence[int]) -> None:
+        """Drop the pins :meth:`lease` took (done by :meth:`read`; only call it for a load never read)."""
+        if STAGED in sources or LOST in sources:
+            for key, source in zip(keys, sources, strict=True):
+                if source == STAGED:
+                    self.staging.unpin(key)
+                    self.staging.discard(key)  # consumed: the tiers still hold the block
+            self.core.release(keys, [source if source >= 0 else None for source in sources])
+        else:
+            self.core.release(keys, sources)
+
+    def read(self, keys: Sequence[BlockKey], sources: Sequence[int], out: Sequence[torch.Tensor], *,
+             placed: bool = False) -> bool:
+        """Copy leased blocks into ``out`` (1-D uint8 each) on the caller's thread and release the leases.
+
+        True if all arrived (False only when :meth:`lease` could not hold one: nothing is copied then).
+        Every leased block is in memory — pinned in a memory tier or in staging — so this is memory
+        copies, with no hop to the loop thread (whose wake-ups next to a busy engine thread cost
+        milliseconds each). ``placed``: the scheduler, in another process, pinned the blocks in its own
+        index and releases them itself (:meth:`AsyncTieredCache.read_placed`).
+        """
+        if placed:
+            if any(source < 0 for source in sources):  # the scheduler could not pin one: fail, never guess
+                return False
+            self.core.read_placed(keys, sources, [self._typed(key, raw) for key, raw in zip(keys, out, strict=True)])
+            return True
+        try:
+            if LOST in sources:
+                return False
+            from_tiers = [i for i, source in enumerate(sources) if source >= 0]
+            for i, source in enumerate(sources):
+                if source == STAGED:
+                    out[i].copy_(self.staging.get(keys[i]))
+            if from_tiers:
+                self.core.read_leased([keys[i] for i in from_tiers], [sources[i] for i in from_tiers],
+                                      [self._typed(keys[i], out[i]) for i in from_tiers], touch=False)
+            return True
+        finally:
+            self.release(keys, sources)
+
+    # --- coroutines (run on the loop thread) ------------------------------------------------------------
+    async def _read_back(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Read blocks that left memory since their lookup into staging, pinned: STAGED, or LOST."""
+        sources = []
+        for key in keys:
+            raw, typed = self.empty_blocks(key.group_id, 1)
+            if await self.core.load([key], typed) == 1 and self.staging.put(key, raw[0], pinned=True):
+                sources.append(STAGED)
+            else:
+                log.error("kvtier: block %s vanished between lookup and load", key)
+                sources.append(LOST)
+        return sources
+
+    async def write(self, plan: Plan | None, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor | None],
+                    copied: Any = None, *, placed: bool = False) -> int:
+        """Run the manager's store plan with the blocks' bytes; return how many are now cached.
+
+        ``copied``: a CUDA event after the copies that fill the blocks; waited for first (on this
+        thread, with the GIL released by torch), so nothing is stored before its bytes arrived.
+        A store a tier refused is simply a later miss. A store planned before a reset writes nothing
+        (its blocks belong to the old epoch, which is never served again). ``placed``: the plan comes from
+        a scheduler in another process, which owns the epoch and the index (this runtime's stays empty).
+        """
+        if copied is not None:
+            copied.synchronize()
+        if plan is None or not keys:
+            return 0
+        current = self.codec.current
+        if not placed and not all(current(key) for key in keys):
+            blocks = [block if current(key) else None for key, block in zip(keys, blocks, strict=True)]
+        return await self.core.execute(plan, keys, blocks)
+
+    def _typed(self, key: BlockKey, raw: torch.Tensor) -> torch.Tensor:
+        layout = self.core.layouts[key.group_id]
+        return raw.view(layout.dtype).view(layout.shape)
+
+
+_RUNTIMES: dict[str, OffloadRuntime] = {}
+_LAST_STATS: dict[str, CacheStats] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_runtime(engine_id: str, runtime: OffloadRuntime) -> None:
+    """Make ``runtime`` the one of ``engine_id`` in this process (a re-created worker replaces the old one)."""
+    with _REGISTRY_LOCK:
+        previous = _RUNTIMES.get(engine_id)
+        _RUNTIMES[engine_id] = runtime
+    if previous is not None and previous is not runtime:
+        previous.close()
+
+
+def release_runtime(engine_id: str, runtime: OffloadRuntime) -> None:
+    """Close ``runtime`` and keep its final counters for :func:`engine_stats`."""
+    with _REGISTRY_LOCK:
+        if _RUNTIMES.get(engine_id) is runtime:
+            del _RUNTIMES[engine_id]
+    if not runtime._closed:
+        _LAST_STATS.pop(engine_id, None)
+        _LAST_STATS[engine_id] = runtime.stats()
+        runtime.close()
+
+
+def engine_stats(engine_id: str | None = None) -> CacheStats:
+    """kvtier's counters for an engine in this process.
+
+    Without ``engine_id``: the running engine if there is exactly one, else the last one shut down.
+    """
+    with _REGISTRY_LOCK:
+        runtimes = dict(_RUNTIMES)
+    if engine_id is None:
+        if len(runtimes) > 1:
+            raise KVTierError(f"{len(runtimes)} engines use kvtier in this process; pass engine_id "
+                              f"(one of {sorted(runtimes)})")
+        if runtimes:
+            engine_id = next(iter(runtimes))
+        elif _LAST_STATS:
+            engine_id = next(reversed(_LAST_STATS))
+        else:
+            raise KVTierError("no vLLM engine has used kvtier in this process")
+    if engine_id in runtimes:
+        return runtimes[engine_id].stats()
+    if engine_id in _LAST_STATS:
+        return _LAST_STATS[engine_id]
+    raise KVTierError(f"no kvtier runtime for engine {engine_id!r} in this process")

@@ -1,0 +1,194 @@
+"""The worker side: vLLM's ``OffloadingWorker`` transfer calls over an :class:`OffloadRuntime`.
+
+Independent of vLLM's classes (``kvtier.connectors.vllm.spec`` subclasses it as vLLM's worker).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.blocks import BlockKey
+from kvtier.connectors.vllm.manager import BlockTransferSpec
+from kvtier.connectors.vllm.page_mover import CudaPageMover, PageMover
+from kvtier.connectors.vllm.runtime import OffloadRuntime
+from kvtier.errors import LayoutMismatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    future: concurrent.futures.Future[Any]
+    is_load: bool
+    nbytes: int
+    started: float
+    scatters: list[tuple[PageMover, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+    copied: Any = None  # CUDA: the event after this load's page copies (already enqueued); done once it completed
+
+
+def split_by_group(keys: Sequence[BlockKey], block_ids: Any, group_sizes: Sequence[int],
+                   num_groups: int) -> list[tuple[list[BlockKey], np.ndarray]]:
+    """Per kvtier group: its keys (in order) and its engine block ids (vLLM sends both group-major)."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    sizes = list(group_sizes) if group_sizes else [len(ids)]
+    if len(sizes) != num_groups or sum(sizes) != len(ids):
+        raise LayoutMismatch(f"transfer names {len(ids)} engine blocks in groups of {sizes}; the engine has "
+                             f"{num_groups} offloaded groups")
+    keys_by_group: list[list[BlockKey]] = [[] for _ in range(num_groups)]
+    for key in keys:
+        keys_by_group[key.group_id].append(key)
+    out, start = [], 0
+    for g, size in enumerate(sizes):
+        out.append((keys_by_group[g], ids[start:start + size]))
+        start += size
+    return out
+
+
+class KVTierOffloadWorkerCore:
+    """vLLM's worker-side transfer calls over an :class:`OffloadRuntime` (independent of vLLM's classes).
+
+    ``submit_store`` copies the pages out at once (the engine may reuse its blocks as soon as the job
+    is acknowledged) and stores in the background; ``submit_load`` copies the leased blocks at once
+    (they are in memory: a memory tier or staging) and the pages are written by ``get_finished`` on
+    the engine's thread, before the job is reported done.
+    A store a tier refused is reported done (it is a later miss); a load reports failure only if a
+    leased block could not be read, which pins make impossible short of a bug.
+    """
+
+    result_type: Callable[..., Any] = staticmethod(lambda **kw: kw)
+
+    def __init__(self, runtime: OffloadRuntime, movers: Sequence[PageMover], blocks_per_chunk: int,
+                 on_shutdown: Callable[[], None] | None = None) -> None:
+        self.runtime = runtime
+        self.movers = list(movers)
+        self.blocks_per_chunk = blocks_per_chunk
+        self._jobs: dict[int, _Job] = {}
+        self._on_shutdown = on_shutdown
+        self._said_partial = False
+        cuda = [m for m in self.movers if isinstance(m, CudaPageMover)]
+        self._stream = cuda[0].stream if cuda else None  # pages move on it with the kernels; else torch copies
+        if cuda and len(cuda) != len(self.movers):
+            raise LayoutMismatch("every KV-cache group must use the CUDA page mover, or none")
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: BlockTransferSpec) -> bool:
+        """Copy the pages of ``dst_spec.keys`` out of the engine now; run the manager's plan in the background."""
+        keys = list(dst_spec.keys)
+        blocks: list[torch.Tensor | None] = [None] * len(keys)  # a chunk without its pages: its writes fail
+        order = {key: i for i, key in enumerate(keys)}
+        nbytes = 0
+        groups = split_by_group(keys, src_spec.block_ids, getattr(src_spec, "group_sizes", ()), len(self.movers))
+        for g, (group_keys, ids) in enumerate(groups):
+            if not group_keys:
+                continue
+            if len(ids) != len(group_keys) * self.blocks_per_chunk:
+                if not self._said_partial:
+                    self._said_partial = True
+                    log.warning("kvtier: a store of %d chunks came with %d engine blocks (sliding-window or "
+                                "null blocks); such chunks are not offloaded", len(group_keys), len(ids))
+                continue
+            raw, typed = self.runtime.empty_blocks(g, len(group_keys), pinned=self._stream is not None)
+            self.movers[g].gather(torch.from_numpy(ids), raw)
+            for row, key in enumerate(group_keys):
+                blocks[order[key]] = typed[row]
+            nbytes += raw.numel()
+        copied = self._copies_done()
+        future = self.runtime.submit(self.runtime.write(dst_spec.plan, keys, blocks, copied,
+                                                          placed=dst_spec.placed))
+        self._jobs[job_id] = _Job(future, is_load=False, nbytes=nbytes, started=time.perf_counter())
+        return True
+
+    def submit_load(self, job_id: int, src_spec: BlockTransferSpec, dst_spec: Any) -> bool:
+        """Copy the leased blocks now (memory copies); ``get_finished`` writes them into the engine's pages."""
+        keys, sources = list(src_spec.keys), list(src_spec.sources)
+        groups = split_by_group(keys, dst_spec.block_ids, getattr(dst_spec, "group_sizes", ()), len(self.movers))
+        starts = list(getattr(dst_spec, "block_indices", ())) or [0] * len(groups)
+        order = {key: i for i, key in enumerate(keys)}
+        outs: list[torch.Tensor | None] = [None] * len(keys)
+        scatters = []
+        nbytes = 0
+        for g, (group_keys, ids) in enumerate(groups):
+            if not group_keys or not len(ids):
+                continue
+            skip = starts[g] % self.blocks_per_chunk
+            if skip + len(ids) > len(group_keys) * self.blocks_per_chunk:
+                raise LayoutMismatch(f"load of {len(ids)} engine blocks from {len(group_keys)} chunks "
+                                     f"(skipping {skip}) does not fit")
+            raw, _ = self.runtime.empty_blocks(g, len(group_keys), pinned=self._stream is not None)
+            for row, key in enumerate(group_keys):
+                outs[order[key]] = raw[row]
+            scatters.append((self.movers[g], raw, torch.from_numpy(ids), skip))
+            nbytes += raw.numel()
+        reads = [(keys[i], sources[i], out) for i, out in enumerate(outs) if out is not None]
+        unread = [i for i, out in enumerate(outs) if out is None]  # a group the engine needs no blocks of
+        if unread and not src_spec.placed:  # a manager in another process releases its own pins
+            self.runtime.release([keys[i] for i in unread], [sources[i] for i in unread])
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        try:
+            future.set_result(self.runtime.read([key for key, _, _ in reads], [src for _, src, _ in reads],
+                                                [out for _, _, out in reads], placed=src_spec.placed))
+        except Exception as exc:  # reported by get_finished as a failed job, never raised into the step
+            future.set_exception(exc)
+        job = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter(), scatters=scatters)
+        if self._stream is not None and future.exception() is None and future.result():
+            for mover, blocks, engine_ids, start in scatters:  # the kernels write the pages now, on the stream
+                mover.scatter(blocks, engine_ids, start)
+            job.copied = self._copies_done()  # the job keeps its host blocks alive until then
+        self._jobs[job_id] = job
+        return True
+
+    def _copies_done(self) -> Any:
+        """An event after the page copies enqueued so far on the transfer stream (None without CUDA)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def get_finished(self) -> list[Any]:
+        """Results of the jobs that finished since the last call; loads land in the engine's pages here."""
+        results = []
+        for job_id, job in list(self._jobs.items()):
+            if not job.future.done() or (job.copied is not None and not job.copied.query()):
+                continue
+            del self._jobs[job_id]
+            results.append(self._finish(job_id, job))
+        return results
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the given jobs finished (their results still come from ``get_finished``)."""
+        jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
+        concurrent.futures.wait([job.future for job in jobs])
+        for job in jobs:
+            if job.copied is not None:
+                job.copied.synchronize()
+
+    def shutdown(self) -> None:
+        self.wait(set(self._jobs))
+        self._jobs.clear()
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+
+    def _finish(self, job_id: int, job: _Job) -> Any:
+        try:
+            ok = bool(job.future.result())
+        except Exception:
+            log.exception("kvtier: transfer job %d failed", job_id)
+            ok = False
+        if not job.is_load:
+            ok = True  # a refused store is a later miss, never an engine error
+        elif ok and job.copied is None:  # torch copies write the pages here; the kernels already did
+            for mover, raw, ids, skip in job.scatters:
+                mover.scatter(raw, ids, skip)
+        else:
+            log.error("kvtier: load job %d could not read every leased block; failing it rather than "
+                      "feeding the engine wrong KV", job_id)
+        return self.result_type(job_id=job_id, success=ok, transfer_size=job.nbytes,
+                                transfer_time=time.perf_counter() - job.started)
