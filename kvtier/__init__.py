@@ -55,7 +55,14 @@ if TYPE_CHECKING:
     from kvtier.blocks import BlockKey, KVCacheSpec, KVGroup
     from kvtier.cache import AsyncTieredCache, TieredCache
     from kvtier.config import KVTierConfig, load_config
-    from kvtier.errors import CacheClosed, CorruptBlock, KVTierConfigError, KVTierError, LayoutMismatch, TierUnavailable
+    from kvtier.errors import (
+        CacheClosed,
+        CorruptBlock,
+        KVTierConfigError,
+        KVTierError,
+        LayoutMismatch,
+        TierUnavailable,
+    )
     from kvtier.hashing import Namespace, hash_token_blocks
     from kvtier.layout import BlockLayout, PerLayerKind, PerLayerLayout
     from kvtier.policy import InsertHint
