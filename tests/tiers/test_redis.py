@@ -214,9 +214,9 @@ def test_tampered_values_miss_and_are_deleted(redis_url: str, namespace: str, ma
     assert torch.equal(out[3], blocks[3])
 
 
-def test_pipelined_small_blocks_keep_their_places(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
-    """Small blocks travel many to a connection at once (a pipeline): a corrupt value, a short one and a
-    missing key in the middle of a long batch are misses at their own index, every other block exact."""
+def test_long_batches_of_small_blocks_keep_their_places(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
+    """A long batch shared by the I/O threads: a corrupt value, a short one and a missing key in its
+    middle are misses at their own index, every other block comes back exact."""
     tier = make_tier("r", {0: SMALL}, namespace=namespace, url=redis_url, max_connections=2)
     n = 300
     keys, blocks = keys_for(n), kv_like(SMALL, n, seed=3)

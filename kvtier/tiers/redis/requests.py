@@ -66,11 +66,6 @@ class Op:
         self.redirect: Addr | None = None
         self.asking = False
 
-    @property
-    def block_bytes(self) -> int:
-        """Raw block bytes the request moves (0 for the small ones): sets how many fit in flight."""
-        return 0
-
     def parts(self) -> tuple[bytes | memoryview, ...]:
         """The request's bytes, in pieces handed to ``sendmsg`` as they are."""
         raise NotImplementedError
@@ -148,10 +143,6 @@ class SetOp(Op):
         self.ttl_args = ttl_args
         self.value_bytes = 0
 
-    @property
-    def block_bytes(self) -> int:
-        return int(self.raw.nbytes)
-
     def parts(self) -> tuple[bytes | memoryview, ...]:
         header, payload = encode_block(self.key, self.fingerprint, self.raw, namespace_fp=self.namespace_fp,
                                        compress=self.compress, shuffle_itemsize=self.itemsize)
@@ -181,10 +172,6 @@ class GetOp(Op):
         self.value_bytes = 0
         #: Why the value was invalid; logged (rate-limited) by the event loop, not the I/O thread.
         self.why = ""
-
-    @property
-    def block_bytes(self) -> int:
-        return int(self.out.nbytes)
 
     def parts(self) -> tuple[bytes | memoryview, ...]:
         return (command(b"GET", self.rkey),)

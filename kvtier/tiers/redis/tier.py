@@ -52,10 +52,8 @@ KEY_PREFIX = "kvtier"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 #: Connections (I/O threads) one batch uses per node at most.
 _STREAMS_PER_NODE = 4
-#: Block bytes (GET/SET) in flight per connection: one 2 MiB block, several small ones (a 256 KiB
-#: TP-8 shard would otherwise wait a round trip per block; deeper pipelines of big replies only make
-#: Redis buffer them).
-_INFLIGHT_BYTES = 2 << 20
+#: Block requests (GET/SET) in flight per connection; Redis buffers deeper pipelines of big replies.
+_PIPELINE_DEPTH = 1
 #: Small requests (EXISTS/UNLINK) in flight per connection.
 _SMALL_DEPTH = 128
 #: A stale cluster slot map is re-read at most this often.
@@ -301,8 +299,7 @@ class RedisTier(Tier):
         run = NodeRun(ops)
         large = ops[0].large
         streams = min(len(ops), _STREAMS_PER_NODE, self.max_connections) if large else 1
-        depth = max(1, min(_SMALL_DEPTH, _INFLIGHT_BYTES // max(op.block_bytes for op in ops))) if large \
-            else _SMALL_DEPTH
+        depth = _PIPELINE_DEPTH if large else _SMALL_DEPTH
         pool = self._pool(addr)
         loop = asyncio.get_running_loop()
         executor = self._io_executor()
