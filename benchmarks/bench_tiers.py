@@ -176,7 +176,7 @@ class RawFiles:
             os.preadv(fd, [self.headers[i % len(self.headers)].data, self.blocks.out(i).numpy().data], 0)
         finally:
             os.close(fd)
-        if checksum:  # the codec's checksum pass, the floor every tier read pays (DESIGN.md §8.1)
+        if checksum:  # the codec's checksum pass, the floor every tier read pays (docs/file-tier.md)
             xxhash.xxh3_64_intdigest(self.blocks.out(i).numpy().data)
 
 

@@ -18,7 +18,8 @@ page-aligned in the file and a raw block is read with one ``preadv([header_page,
 every file can be read with ``O_DIRECT`` whatever wrote it.
 
 I/O choices, measured with 2 MiB blocks on ext4 over a virtio disk (the reads, warm, cold and direct,
-are re-measured by ``benchmarks/bench_tiers.py``):
+are re-measured by ``benchmarks/bench_tiers.py``; docs/file-tier.md has the reasoning and the figures
+against other stores):
 
 - Writes use ``O_DIRECT`` (when the filesystem accepts it; otherwise buffered I/O, logged once and
   visible as :attr:`FileTier.direct_io_active`). Direct writes were 1.4–1.8× faster than buffered ones
