@@ -292,12 +292,19 @@ def bench_cpu(args: argparse.Namespace, layout: BlockLayout, rows: list[Row]) ->
     sources = [blocks.source(i).view(torch.float16).view(shape) for i in range(len(blocks.sources))]
     outs = [blocks.out(i).view(torch.float16).view(shape) for i in range(len(blocks.outs))]
 
-    def cache_store() -> None:
-        for keys, idx in batches:
+    key_sets = {"resident": cache_keys, "spare": blocks.keys}  # the cache holds exactly one set
+
+    def cache_store() -> None:  # stores the set it does not hold: every block evicts one of the other set
+        spare = key_sets["spare"]
+        for _, idx in batches:
+            keys = [spare[i] for i in idx]
             assert cache.store(keys, [sources[i % len(sources)] for i in idx]) == len(keys), cache.stats()
+        key_sets["resident"], key_sets["spare"] = spare, key_sets["resident"]
 
     def cache_load() -> None:
-        for keys, idx in batches:
+        resident = key_sets["resident"]
+        for _, idx in batches:
+            keys = [resident[i] for i in idx]
             assert cache.load(keys, [outs[i % len(outs)] for i in idx]) == len(keys), cache.stats()
 
     async def put_all() -> None:
@@ -319,7 +326,7 @@ def bench_cpu(args: argparse.Namespace, layout: BlockLayout, rows: list[Row]) ->
     asyncio.run(put_all())  # first touch of every page, for the tier and the baseline alike
     copy_in()
     for keys, idx in batches:  # the cache's slab too: filled with other keys, so every timed store evicts
-        assert cache.store(cache_keys[idx[0]:idx[-1] + 1], [sources[i % len(sources)] for i in idx]) == len(keys)
+        assert cache.store([cache_keys[i] for i in idx], [sources[i % len(sources)] for i in idx]) == len(keys)
     best = interleaved(args.repeat, {
         "put": lambda: timed(total, lambda: asyncio.run(put_all())),
         "in": lambda: timed(total, copy_in),
@@ -341,12 +348,15 @@ def bench_cpu(args: argparse.Namespace, layout: BlockLayout, rows: list[Row]) ->
 
 
 def full_cpu_cache(layout: BlockLayout, n: int) -> tuple[TieredCache, list[BlockKey]]:
-    """TieredCache with one CPU tier of exactly ``n`` blocks, and ``n`` keys other than the benchmark's."""
+    """TieredCache with one CPU tier of exactly ``n`` blocks, and ``n`` keys other than the benchmark's.
+
+    LRU, so that storing one key set evicts exactly the other (the default policy may keep some of
+    the older set, and a load of the newer one would then stop at the first block it dropped)."""
     cache = TieredCache.from_config({
         "model": {"name": "bench", "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
                   "head_dim": layout.head_dim, "dtype": "float16"},
         "hash_block_size": layout.block_size,
-        "tiers": [{"type": "cpu", "capacity": n * layout.nbytes, "pinned": False}]})
+        "tiers": [{"type": "cpu", "capacity": n * layout.nbytes, "pinned": False, "eviction": "lru"}]})
     return cache, [BlockKey(b"w" * 8 + i.to_bytes(8, "big"), 0) for i in range(n)]
 
 
