@@ -1,10 +1,12 @@
 """Redis tier throughput next to raw redis-py and redis-benchmark, measured in the same run.
 
-    python benchmarks/bench_redis.py [--url redis://127.0.0.1:6379] [--blocks 256] [--batch 32]
+    python benchmarks/bench_redis.py [--url redis://127.0.0.1:6379] [--block-kib 256,2048] [--mib 512] [--batch 32]
 
-Moves ``--blocks`` blocks of 2 MiB (a Llama-3-8B-like cross-layer block: 32 layers × K/V × 16 tokens ×
-8 heads × 128, 2-byte dtype) in batches of ``--batch`` and prints the median put/get GB/s (of raw
-block bytes) over ``--repeat`` passes, with the spread, for:
+For each block size (``--block-kib``, default ``256,2048``: 2 MiB is a Llama-3-8B-like cross-layer
+block, 32 layers × K/V × 16 tokens × 8 heads × 128, 2-byte dtype; 256 KiB its tensor-parallel-8 shard,
+one head per rank, where per-request costs show) moves ``--mib`` MiB of blocks in batches of
+``--batch`` and prints one table of the median put/get GB/s (of raw block bytes) over ``--repeat``
+passes, with the spread, for:
 
 - the Redis tier, without and with lz4, on KV-like data: random-normal fp16 (lz4 finds nothing to
   compress, so it only pays for trying) and random-normal bf16 (byte-shuffled lz4 saves ~16 %);
@@ -15,12 +17,12 @@ block bytes) over ``--repeat`` passes, with the spread, for:
   from the tensors' memory and GET into preallocated tensors (``get(key, buffer=…)``), each batch
   overlapped over 4 threads on its multiplexed connection: a maintained library with a zero-copy
   read, as a standing comparison for the tier's own RESP client (no checksum either);
-- ``redis-benchmark`` (if on PATH): 2 MiB values, 4 clients, no pipelining.
+- ``redis-benchmark`` (if on PATH): values of the block size, 4 clients, no pipelining.
 
 Each pass runs every client once, in turn, so a noisy neighbour slows all rows alike. All clients
 write the same keys (``kvtier:bench-<pid>:0:<hash>``), each put overwriting the previous client's
 values, as a cache at ``maxmemory`` replaces old blocks; the keys are deleted at the end. The server
-needs about blocks × 2.5 MiB of free memory, this process about 3 × blocks × 2 MiB.
+needs about 1.3 × ``--mib`` of free memory, this process about 3 × ``--mib``.
 """
 
 from __future__ import annotations
@@ -50,11 +52,6 @@ from kvtier.blocks import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.tiers.redis import Compression, RedisTier
 
-LAYOUTS = {
-    "fp16": BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16),
-    "bf16": BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16),
-}
-BLOCK_BYTES = LAYOUTS["fp16"].nbytes
 NAMESPACE = f"bench-{os.getpid()}"
 
 
@@ -74,9 +71,18 @@ class Row:
         return f"{med:5.2f} ({min(samples):.2f}–{max(samples):.2f})" if len(samples) > 1 else f"{med:5.2f}"
 
 
-def kv_blocks(dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+def kv_layouts(block_kib: int) -> dict[str, BlockLayout]:
+    """fp16 and bf16 layouts of ``block_kib``: 32 layers × K/V × 16 tokens × head_dim 128, as many heads
+    as fit (8 = 2 MiB, 1 = 256 KiB)."""
+    if block_kib % 256:
+        raise SystemExit(f"--block-kib {block_kib}: use a multiple of 256 (one KV head of 128 dims)")
+    return {name: BlockLayout(num_layers=32, num_kv_heads=block_kib // 256, head_dim=128, block_size=16,
+                              dtype=dtype) for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))}
+
+
+def kv_blocks(dtype: torch.dtype, count: int, nbytes: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return list(torch.randn(count, BLOCK_BYTES // 2, generator=gen).to(dtype).view(torch.uint8))
+    return list(torch.randn(count, nbytes // 2, generator=gen).to(dtype).view(torch.uint8))
 
 
 def batches(n: int, size: int) -> list[range]:
@@ -92,9 +98,9 @@ async def rate(fn: Callable[[], Awaitable[None]], nbytes: int) -> float:
 class TierClient:
     """The Redis tier: put all blocks, get them back into tensors, check them, delete them."""
 
-    def __init__(self, url: str, data: str, blocks: list[torch.Tensor], keys: list[BlockKey], batch: int,
-                 compression: Compression) -> None:
-        layout = LAYOUTS[data]
+    def __init__(self, url: str, data: str, layout: BlockLayout, blocks: list[torch.Tensor], keys: list[BlockKey],
+                 batch: int, compression: Compression) -> None:
+        self.block_bytes = layout.nbytes
         self.row = Row(f"RedisTier compression={compression}", f"{data} randn")
         self.tier = RedisTier("bench", {0: layout}, namespace=NAMESPACE, url=url, compression=compression)
         self.blocks = blocks
@@ -104,7 +110,7 @@ class TierClient:
 
     async def one_pass(self) -> None:
         keys = self.keys
-        total = len(self.blocks) * BLOCK_BYTES
+        total = len(self.blocks) * self.block_bytes
 
         async def put_all() -> None:
             for r in self.groups:
@@ -120,7 +126,7 @@ class TierClient:
         self.row.get.append(await rate(get_all, total))
         if not all(torch.equal(a, b) for a, b in zip(self.blocks, self.out, strict=True)):
             raise RuntimeError("the tier returned different bytes")
-        self.row.stored_ratio = self.tier.counters.bytes_written / self.tier.counters.blocks_written / BLOCK_BYTES
+        self.row.stored_ratio = self.tier.counters.bytes_written / self.tier.counters.blocks_written / self.block_bytes
 
     async def close(self) -> None:
         await self.tier.close()
@@ -194,7 +200,7 @@ class GlideClient:
         self.keys = [f"kvtier:{NAMESPACE}:0:{k.block_hash.hex()}".encode() for k in keys]
         self.blocks = blocks
         self.values = [b.numpy().data for b in blocks]
-        self.out = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in blocks]
+        self.out = [torch.empty_like(b) for b in blocks]
         self.out_views = [o.numpy().data for o in self.out]
         self.groups = batches(len(blocks), batch)
 
@@ -216,7 +222,7 @@ class GlideClient:
                 if any(g is None for g in got):
                     raise RuntimeError("valkey-glide GET missed")
 
-        total = len(self.blocks) * BLOCK_BYTES
+        total = sum(b.nbytes for b in self.blocks)
         self.row.put.append(await rate(put_all, total))
         self.row.get.append(await rate(get_all, total))
         if not all(torch.equal(a, b) for a, b in zip(self.blocks, self.out, strict=True)):
@@ -228,19 +234,20 @@ class GlideClient:
 
 
 class RedisBenchmarkClient:
-    """``redis-benchmark -t set,get -d 2097152 -c 4 -P 1`` (C, hiredis), one run per pass."""
+    """``redis-benchmark -t set,get -d <block bytes> -c 4 -P 1`` (C, hiredis), one run per pass."""
 
-    def __init__(self, binary: str, url: str, requests: int) -> None:
+    def __init__(self, binary: str, url: str, requests: int, block_bytes: int) -> None:
         parts = urlsplit(url)
-        self.row = Row("redis-benchmark -c 4 (C, hiredis)", "'x' × 2 MiB")
+        self.block_bytes = block_bytes
+        self.row = Row("redis-benchmark -c 4 (C, hiredis)", f"'x' × {block_bytes >> 10} KiB")
         self.cmd = [binary, "-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379), "-t", "set,get",
-                    "-d", str(BLOCK_BYTES), "-n", str(requests), "-c", "4", "-P", "1", "-r", "64", "--csv"]
+                    "-d", str(block_bytes), "-n", str(requests), "-c", "4", "-P", "1", "-r", "64", "--csv"]
         if parts.password:
             self.cmd += ["-a", parts.password]
 
     async def one_pass(self) -> None:
         done = await asyncio.to_thread(subprocess.run, self.cmd, capture_output=True, text=True, timeout=600)
-        rates = {m.group(1): float(m.group(2)) * BLOCK_BYTES / 1e9
+        rates = {m.group(1): float(m.group(2)) * self.block_bytes / 1e9
                  for m in re.finditer(r'"(SET|GET)","([0-9.]+)"', done.stdout)}
         if "SET" not in rates or "GET" not in rates:
             raise RuntimeError(f"redis-benchmark gave no figures: {done.stderr.strip()[:300]}")
@@ -251,13 +258,13 @@ class RedisBenchmarkClient:
         return None
 
 
-def print_table(rows: list[Row], args: argparse.Namespace) -> None:
-    header = f"| {'client':38s} | {'data':11s} | {'put GB/s':18s} | {'get GB/s':18s} | stored/raw |"
+def print_table(rows: list[Row], args: argparse.Namespace, blocks: int, block_bytes: int) -> None:
+    header = f"| {'client':38s} | {'data':14s} | {'put GB/s':18s} | {'get GB/s':18s} | stored/raw |"
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
     for row in rows:
         ratio = f"{row.stored_ratio:.2f}" if row.stored_ratio is not None else "—"
-        print(f"| {row.client:38s} | {row.data:11s} | {Row.cell(row.put):18s} | {Row.cell(row.get):18s} | "
+        print(f"| {row.client:38s} | {row.data:14s} | {Row.cell(row.put):18s} | {Row.cell(row.get):18s} | "
               f"{ratio:>10s} |")
     raw = [r for r in rows if r.client.startswith(("redis-py", "valkey-glide"))]
     tier = next((r for r in rows if r.client == "RedisTier compression=none" and r.data == "fp16 randn"), None)
@@ -266,7 +273,7 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
         best_get = max(statistics.median(r.get) for r in raw)
         print(f"\nRedisTier (no lz4, fp16) / best library row (redis-py, valkey-glide): put ×{statistics.median(tier.put) / best_put:.2f}, "
               f"get ×{statistics.median(tier.get) / best_get:.2f}")
-    print(f"\n{args.blocks} blocks of {BLOCK_BYTES >> 20} MiB in batches of {args.batch}; median of {args.repeat} "
+    print(f"\n{blocks} blocks of {block_bytes >> 10} KiB in batches of {args.batch}; median of {args.repeat} "
           f"interleaved passes (min–max); GB/s = raw block bytes / wall time.")
     print("Random-normal fp16 has no repeated byte sequences, so lz4 stores it raw (its lz4 row is the cost "
           "of trying).\nbf16 has 7 mantissa bits: after the byte shuffle its exponent bytes repeat and lz4 "
@@ -286,15 +293,23 @@ async def main(args: argparse.Namespace) -> None:
         glide = ""
     print(f"Redis {version} at {args.url}; redis-py {redis.__version__}; {glide}torch {torch.__version__}; "
           f"{os.cpu_count()} CPUs\n")
-    fp16, bf16 = kv_blocks(torch.float16, args.blocks), kv_blocks(torch.bfloat16, args.blocks)
-    keys = [BlockKey(os.urandom(32), 0) for _ in range(args.blocks)]
+    for kib in (int(k) for k in args.block_kib.split(",")):
+        await one_size(args, kv_layouts(kib))
+
+
+async def one_size(args: argparse.Namespace, layouts: dict[str, BlockLayout]) -> None:
+    """Every client, ``--repeat`` interleaved passes, over blocks of one size; then its table."""
+    block_bytes = layouts["fp16"].nbytes
+    n = args.mib * (1 << 20) // block_bytes
+    fp16, bf16 = kv_blocks(torch.float16, n, block_bytes), kv_blocks(torch.bfloat16, n, block_bytes)
+    keys = [BlockKey(os.urandom(32), 0) for _ in range(n)]
     clients: list[TierClient | RedisPyClient | GlideClient | RedisBenchmarkClient] = [
         RedisPyClient(args.url, fp16, keys, args.batch, connections=0),
         RedisPyClient(args.url, fp16, keys, args.batch, connections=4),
-        TierClient(args.url, "fp16", fp16, keys, args.batch, "none"),
-        TierClient(args.url, "fp16", fp16, keys, args.batch, "lz4"),
-        TierClient(args.url, "bf16", bf16, keys, args.batch, "none"),
-        TierClient(args.url, "bf16", bf16, keys, args.batch, "lz4"),
+        TierClient(args.url, "fp16", layouts["fp16"], fp16, keys, args.batch, "none"),
+        TierClient(args.url, "fp16", layouts["fp16"], fp16, keys, args.batch, "lz4"),
+        TierClient(args.url, "bf16", layouts["bf16"], bf16, keys, args.batch, "none"),
+        TierClient(args.url, "bf16", layouts["bf16"], bf16, keys, args.batch, "lz4"),
     ]
     if not args.no_glide:
         try:
@@ -303,24 +318,27 @@ async def main(args: argparse.Namespace) -> None:
             print("valkey-glide row skipped: pip install 'kvtier[bench]' (valkey-glide-sync)\n")
     binary = shutil.which("redis-benchmark")
     if binary is not None and not args.no_redis_benchmark:
-        clients.append(RedisBenchmarkClient(binary, args.url, args.blocks))
+        clients.append(RedisBenchmarkClient(binary, args.url, n, block_bytes))
     try:
         for _ in range(args.repeat):
             for client in clients:
                 await client.one_pass()
     finally:
-        cleanup = RedisTier("cleanup", {0: LAYOUTS["fp16"]}, namespace=NAMESPACE, url=args.url)
+        cleanup = RedisTier("cleanup", {0: layouts["fp16"]}, namespace=NAMESPACE, url=args.url)
         await cleanup.delete(keys)
         await cleanup.close()
         for client in clients:
             await client.close()
-    print_table([c.row for c in clients], args)
+    print_table([c.row for c in clients], args, n, block_bytes)
+    print(f"load average {os.getloadavg()[0]:.2f}\n")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--blocks", type=int, default=256, help="blocks per pass (2 MiB each)")
+    parser.add_argument("--block-kib", default="256,2048",
+                        help="block sizes in KiB (multiples of 256), comma separated; one table each (default 256,2048)")
+    parser.add_argument("--mib", type=int, default=512, help="MiB of blocks per pass (default 512)")
     parser.add_argument("--batch", type=int, default=32, help="blocks per put/get call")
     parser.add_argument("--repeat", type=int, default=5, help="interleaved passes; the table shows the median")
     parser.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark row")

@@ -1,8 +1,10 @@
-"""Throughput of the file tier (and the CPU tier) next to the raw I/O / memcpy of the same bytes.
+"""Throughput of the file tier (and the CPU tier, and TieredCache over it) next to raw I/O / memcpy.
 
-Not a test: it prints one table, with every baseline measured in the same run, and the command line
-that made it. Blocks are 2 MiB, the cross-layer block of Llama-3.1-8B (32 layers × K,V × 16 tokens ×
-8 KV heads × 128 dims, fp16).
+Not a test: it prints one table per block size, with every baseline measured in the same run, and
+the command line that made it. Block sizes (``--block-kib``, default ``256,2048``): 2 MiB is the
+cross-layer block of Llama-3.1-8B (32 layers × K,V × 16 tokens × 8 KV heads × 128 dims, fp16);
+256 KiB is its tensor-parallel-8 shard (one KV head per rank), the small-block case (TP shards, MLA
+latents) where per-block costs show. Every size moves the same bytes (``--mib``).
 
 - File tier ``put`` vs raw ``open(O_DIRECT) + pwritev([header page, block]) + close`` per block (one
   file per block, no temp + rename, no checksum), from page-aligned buffers; 1 thread and a pool.
@@ -11,9 +13,12 @@ that made it. Blocks are 2 MiB, the cross-layer block of Llama-3.1-8B (32 layers
   needs root, else reported as n/a), buffered, plus ``O_DIRECT`` cold reads (``direct_reads=True``).
   Warm reads also get a second baseline, raw ``preadv`` + one xxh3 pass over the block: the checksum
   every tier read must verify, which plain ``preadv`` does not pay.
-- CPU tier ``put``/``get`` vs ``np.copyto`` of the same blocks into / out of a page-aligned slab.
+- CPU tier ``put``/``get`` vs ``np.copyto`` of the same blocks into / out of a page-aligned slab, and
+  ``TieredCache.store``/``load`` over one full CPU tier (the steady state: every store evicts) vs the
+  same ``np.copyto``.
 
-Usage: ``python benchmarks/bench_tiers.py [--blocks 512] [--dir DIR] [--threads 4] [--batch 64]``.
+Usage: ``python benchmarks/bench_tiers.py [--block-kib 256,2048] [--mib 1024] [--dir DIR] [--threads 4]
+[--batch 64]``.
 DIR must be on the disk under test (not tmpfs); the default is a fresh directory under the current one.
 """
 
@@ -36,19 +41,29 @@ import numpy as np
 import torch
 import xxhash
 
+from kvtier import TieredCache
 from kvtier.blocks import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.tiers.buffers import aligned_empty
+from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.file import PAGE, FileTier
 
-try:
-    from kvtier.tiers.cpu import CpuTier
-except ImportError:  # the CPU tier is optional for this benchmark
-    CpuTier = None  # type: ignore[assignment,misc]
-
-LLAMA_3_1_8B = BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)
 TARGET_FILE = 0.80
 TARGET_CPU = 0.70
+TARGET_CACHE_CPU = 0.90
+
+
+def kv_layout(block_kib: int) -> BlockLayout:
+    """Llama-3.1-8B's cross-layer block (32 layers, 16 tokens, head_dim 128, fp16) with as many KV heads
+    as make ``block_kib``: 8 heads = 2 MiB (TP-1), 1 head = 256 KiB (TP-8); below that, a narrower head."""
+    per_head = 32 * 2 * 16 * 128 * 2 // 1024  # KiB of one KV head
+    if block_kib % per_head == 0:
+        return BlockLayout(num_layers=32, num_kv_heads=block_kib // per_head, head_dim=128, block_size=16,
+                           dtype=torch.float16)
+    if block_kib % 4 or (block_kib * 1024) % (32 * 2 * 16 * 2):
+        raise SystemExit(f"--block-kib {block_kib}: use a multiple of 4 KiB that is a whole number of heads")
+    return BlockLayout(num_layers=32, num_kv_heads=1, head_dim=block_kib * 1024 // (32 * 2 * 16 * 2),
+                       block_size=16, dtype=torch.float16)
 
 
 class Row:
@@ -118,8 +133,7 @@ def in_pool(threads: int, count: int, fn: Callable[[int], object]) -> None:
 class Blocks:
     """``n`` keys over a rotating set of page-aligned, pre-touched source and destination blocks."""
 
-    def __init__(self, n: int, pool_size: int) -> None:
-        nbytes = LLAMA_3_1_8B.nbytes
+    def __init__(self, n: int, pool_size: int, nbytes: int) -> None:
         gen = torch.Generator().manual_seed(0)
         self.sources = [aligned_empty(nbytes).copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
                                                                   generator=gen)) for _ in range(pool_size)]
@@ -162,20 +176,20 @@ class RawFiles:
             os.preadv(fd, [self.headers[i % len(self.headers)].data, self.blocks.out(i).numpy().data], 0)
         finally:
             os.close(fd)
-        if checksum:  # the codec's checksum pass, paid by every tier read (docs/architecture.md#checksums)
+        if checksum:  # the codec's checksum pass, the floor every tier read pays (docs/file-tier.md)
             xxhash.xxh3_64_intdigest(self.blocks.out(i).numpy().data)
 
 
-def bench_file(args: argparse.Namespace, root: Path, rows: list[Row], notes: list[str]) -> None:
-    n, threads_n = args.blocks, args.threads
-    total = n * LLAMA_3_1_8B.nbytes
-    blocks = Blocks(n, min(args.batch, n))
+def bench_file(args: argparse.Namespace, layout: BlockLayout, root: Path, rows: list[Row], notes: list[str]) -> None:
+    n, threads_n = args.mib * (1 << 20) // layout.nbytes, args.threads
+    total = n * layout.nbytes
+    blocks = Blocks(n, min(args.batch, n), layout.nbytes)
     batches = blocks.batches(args.batch)
     raw = RawFiles(root / "raw", blocks, threads_n)
     namespace = "tier"
 
     def tier(threads: int, direct_reads: bool = False) -> FileTier:
-        return FileTier("bench", {0: LLAMA_3_1_8B}, {0: total}, root=root, namespace=namespace,
+        return FileTier("bench", {0: layout}, {0: total}, root=root, namespace=namespace,
                         io_threads=threads, direct_reads=direct_reads)
 
     async def put_all(t: FileTier) -> None:
@@ -266,13 +280,32 @@ def interleaved(repeat: int, measurements: dict[object, Callable[[], float]]) ->
     return best
 
 
-def bench_cpu(args: argparse.Namespace, rows: list[Row]) -> None:
-    n = args.blocks
-    total = n * LLAMA_3_1_8B.nbytes
-    blocks = Blocks(n, min(args.batch, n))
+def bench_cpu(args: argparse.Namespace, layout: BlockLayout, rows: list[Row]) -> None:
+    n = args.mib * (1 << 20) // layout.nbytes
+    total = n * layout.nbytes
+    blocks = Blocks(n, min(args.batch, n), layout.nbytes)
     batches = blocks.batches(args.batch)
-    tier = CpuTier("bench", {0: LLAMA_3_1_8B}, {0: total}, pinned=False)
-    slab = aligned_empty(total).view(n, LLAMA_3_1_8B.nbytes).numpy()
+    tier = CpuTier("bench", {0: layout}, {0: total}, pinned=False)
+    slab = aligned_empty(total).view(n, layout.nbytes).numpy()
+    cache, cache_keys = full_cpu_cache(layout, n)
+    shape = layout.shape
+    sources = [blocks.source(i).view(torch.float16).view(shape) for i in range(len(blocks.sources))]
+    outs = [blocks.out(i).view(torch.float16).view(shape) for i in range(len(blocks.outs))]
+
+    key_sets = {"resident": cache_keys, "spare": blocks.keys}  # the cache holds exactly one set
+
+    def cache_store() -> None:  # stores the set it does not hold: every block evicts one of the other set
+        spare = key_sets["spare"]
+        for _, idx in batches:
+            keys = [spare[i] for i in idx]
+            assert cache.store(keys, [sources[i % len(sources)] for i in idx]) == len(keys), cache.stats()
+        key_sets["resident"], key_sets["spare"] = spare, key_sets["resident"]
+
+    def cache_load() -> None:
+        resident = key_sets["resident"]
+        for _, idx in batches:
+            keys = [resident[i] for i in idx]
+            assert cache.load(keys, [outs[i % len(outs)] for i in idx]) == len(keys), cache.stats()
 
     async def put_all() -> None:
         for keys, idx in batches:
@@ -292,22 +325,46 @@ def bench_cpu(args: argparse.Namespace, rows: list[Row]) -> None:
 
     asyncio.run(put_all())  # first touch of every page, for the tier and the baseline alike
     copy_in()
+    for keys, idx in batches:  # the cache's slab too: filled with other keys, so every timed store evicts
+        assert cache.store([cache_keys[i] for i in idx], [sources[i % len(sources)] for i in idx]) == len(keys)
     best = interleaved(args.repeat, {
         "put": lambda: timed(total, lambda: asyncio.run(put_all())),
         "in": lambda: timed(total, copy_in),
         "get": lambda: timed(total, lambda: asyncio.run(get_all())),
-        "out": lambda: timed(total, copy_out)})
+        "out": lambda: timed(total, copy_out),
+        "store": lambda: timed(total, cache_store),
+        "load": lambda: timed(total, cache_load)})
     rows.append(Row("cpu put", "1", "-", best["put"], "np.copyto into slab", best["in"]))
     rows.append(Row("cpu get", "1", "-", best["get"], "np.copyto out of slab", best["out"]))
     round_trip = 2 / (1 / best["put"] + 1 / best["get"])
     rows.append(Row("cpu round trip", "1", "-", round_trip, "np.copyto in + out",
                     2 / (1 / best["in"] + 1 / best["out"]), TARGET_CPU))
+    rows.append(Row("cache store (cpu, full)", "1", "-", best["store"], "np.copyto into slab", best["in"],
+                    TARGET_CACHE_CPU))
+    rows.append(Row("cache load (cpu)", "1", "-", best["load"], "np.copyto out of slab", best["out"],
+                    TARGET_CACHE_CPU))
+    cache.close()
     asyncio.run(tier.close())
+
+
+def full_cpu_cache(layout: BlockLayout, n: int) -> tuple[TieredCache, list[BlockKey]]:
+    """TieredCache with one CPU tier of exactly ``n`` blocks, and ``n`` keys other than the benchmark's.
+
+    LRU, so that storing one key set evicts exactly the other (the default policy may keep some of
+    the older set, and a load of the newer one would then stop at the first block it dropped)."""
+    cache = TieredCache.from_config({
+        "model": {"name": "bench", "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+                  "head_dim": layout.head_dim, "dtype": "float16"},
+        "hash_block_size": layout.block_size,
+        "tiers": [{"type": "cpu", "capacity": n * layout.nbytes, "pinned": False, "eviction": "lru"}]})
+    return cache, [BlockKey(b"w" * 8 + i.to_bytes(8, "big"), 0) for i in range(n)]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=512, help="2 MiB blocks per measurement (default 512 = 1 GiB)")
+    parser.add_argument("--block-kib", default="256,2048",
+                        help="block sizes in KiB, comma separated; one table each (default 256,2048)")
+    parser.add_argument("--mib", type=int, default=1024, help="MiB moved per measurement (default 1024)")
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk under test (default: ./)")
     parser.add_argument("--threads", type=int, default=4, help="I/O threads of the pooled runs (default 4)")
     parser.add_argument("--batch", type=int, default=64, help="blocks per put/get call (default 64)")
@@ -317,28 +374,28 @@ def main(argv: list[str] | None = None) -> None:
     parent = args.dir or Path.cwd()
     parent.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=parent))
-    rows: list[Row] = []
-    notes: list[str] = []
-    start = time.perf_counter()
+    layouts = [kv_layout(int(kib)) for kib in args.block_kib.split(",")]
+    print(f"$ python {shlex.join(sys.argv)}")
+    print(f"dir {root.parent}: {filesystem_of(root.parent)}; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}; "
+          f"python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}")
     try:
-        bench_file(args, root, rows, notes)
-        if CpuTier is not None:
-            bench_cpu(args, rows)
-        else:
-            notes.append("cpu tier: n/a (kvtier.tiers.cpu.CpuTier not importable)")
+        for layout in layouts:
+            rows: list[Row] = []
+            notes: list[str] = []
+            start = time.perf_counter()
+            bench_file(args, layout, root, rows, notes)
+            bench_cpu(args, layout, rows)
+            print()
+            print(f"kvtier tier throughput: {args.mib * (1 << 20) // layout.nbytes} blocks of "
+                  f"{layout.nbytes >> 10} KiB ({layout.describe()}), {args.batch} blocks per call, "
+                  f"best of {args.repeat} interleaved runs")
+            print()
+            print_table(rows)
+            for note in notes:
+                print(f"note: {note}")
+            print(f"(took {time.perf_counter() - start:.0f}s; load {os.getloadavg()[0]:.2f})")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-    print(f"$ python {shlex.join(sys.argv)}")
-    print(f"kvtier tier throughput: {args.blocks} blocks of {LLAMA_3_1_8B.nbytes >> 20} MiB "
-          f"({LLAMA_3_1_8B.describe()}), {args.batch} blocks per call, best of {args.repeat} interleaved runs")
-    print(f"dir {root.parent}: {filesystem_of(root.parent)}; {os.cpu_count()} CPUs; "
-          f"python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}")
-    print()
-    print_table(rows)
-    for note in notes:
-        print(f"note: {note}")
-    print(f"(took {time.perf_counter() - start:.0f}s)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ is the job of :mod:`kvtier.kernels`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -80,9 +81,10 @@ class BlockLayout:
         """Logical dimensions in physical order, outermost first."""
         return (0, 1, 2, 3, 4) if self.token_layout == "NHD" else (0, 1, 3, 2, 4)
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
-        """Physical (contiguous) shape of one block."""
+        """Physical (contiguous) shape of one block (computed once: every put, get and check asks for it,
+        as for ``numel`` and ``nbytes``)."""
         logical = self.logical_shape
         return tuple(logical[i] for i in self.stride_order)
 
@@ -95,11 +97,11 @@ class BlockLayout:
         """Bytes of one layer's K and V inside a block."""
         return self.nbytes // self.num_layers
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.logical_shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of one block: the size of every slot, file payload and Redis value (before codec)."""
         return self.numel * self.itemsize

@@ -140,8 +140,11 @@ class Tier(ABC):
         """Raise :class:`LayoutMismatch` unless each buffer is a contiguous uint8 block of its group."""
         if len(keys) != len(buffers):
             raise LayoutMismatch(f"{len(keys)} keys but {len(buffers)} {what} buffers")
+        sizes: dict[int, int] = {}
         for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
-            expected = self.block_bytes(key.group_id)
+            expected = sizes.get(key.group_id)
+            if expected is None:
+                expected = sizes[key.group_id] = self.block_bytes(key.group_id)
             if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != expected or not buf.is_contiguous():
                 raise LayoutMismatch(
                     f"{what}[{i}] must be a contiguous 1-D uint8 tensor of {expected} bytes for group "

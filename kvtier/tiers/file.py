@@ -18,7 +18,8 @@ page-aligned in the file and a raw block is read with one ``preadv([header_page,
 every file can be read with ``O_DIRECT`` whatever wrote it.
 
 I/O choices, measured with 2 MiB blocks on ext4 over a virtio disk (the reads, warm, cold and direct,
-are re-measured by ``benchmarks/bench_tiers.py``):
+are re-measured by ``benchmarks/bench_tiers.py``; docs/file-tier.md has the reasoning and the figures
+against other stores):
 
 - Writes use ``O_DIRECT`` (when the filesystem accepts it; otherwise buffered I/O, logged once and
   visible as :attr:`FileTier.direct_io_active`). Direct writes were 1.4–1.8× faster than buffered ones
@@ -52,10 +53,11 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -155,6 +157,9 @@ class _Outcome(NamedTuple):
     device_bytes: int = 0
 
 
+_NOT_RUN = _Outcome("io")  # placeholder of a job a failed or cancelled batch never ran
+
+
 class FileTier(Tier):
     """Blocks as files under ``root/namespace``; see the module docstring for format and I/O choices.
 
@@ -212,6 +217,7 @@ class FileTier(Tier):
         self.configured_capacity_bytes = dict(self.capacity_bytes)
         self._disk_checked_at = float("-inf")
         self._made_dirs: set[str] = set()
+        self._io_threads = io_threads
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-file-{name}")
         try:
             self._make_dir(self.root, parents=True)
@@ -235,7 +241,7 @@ class FileTier(Tier):
         return self._direct
 
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
-        """Write each block to its file (temp + rename), one executor task per block, all awaited together.
+        """Write each block to its file (temp + rename); the I/O threads share the batch (:meth:`_on_io_threads`).
 
         Called by the cache after it made room; blocks on nothing but the I/O threads. A block whose
         write fails (ENOSPC, EIO, any OSError) is ``False``: no temporary file is left and any older
@@ -248,10 +254,8 @@ class FileTier(Tier):
                 raise ValueError(f"a block hash must be at most {MAX_HASH_BYTES} bytes, got {key.block_hash!r:.80}")
         arrays = [self._host_array(block, "blocks") for block in blocks]
         last = {key: i for i, key in enumerate(keys)}
-        loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        outcomes = await _all_done([
-            loop.run_in_executor(self._executor, self._write_block, key, arrays[i]) for key, i in last.items()])
+        outcomes = await self._on_io_threads(self._write_block, [(key, arrays[i]) for key, i in last.items()])
         self.counters.write_seconds += time.perf_counter() - start
         by_key = dict(zip(last, outcomes, strict=True))
         for outcome in outcomes:
@@ -264,7 +268,7 @@ class FileTier(Tier):
         return [by_key[key].error is None for key in keys]
 
     async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> list[bool]:
-        """Read each indexed block into ``out[i]``, one executor task per block, all awaited together.
+        """Read each indexed block into ``out[i]``; the I/O threads share the batch (:meth:`_on_io_threads`).
 
         Called by the cache to load hits; a key not in the index is a miss without any I/O. A missing
         file is a miss (dropped from the index); a corrupt or truncated one is a miss and deleted; an
@@ -273,10 +277,8 @@ class FileTier(Tier):
         self.check_buffers(keys, out, "out")
         arrays = [self._host_array(buf, "out") for buf in out]
         jobs = [(i, key, size) for i, key in enumerate(keys) if (size := self._index.get(key)) is not None]
-        loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        outcomes = await _all_done([
-            loop.run_in_executor(self._executor, self._read_block, key, size, arrays[i]) for i, key, size in jobs])
+        outcomes = await self._on_io_threads(self._read_block, [(key, size, arrays[i]) for i, key, size in jobs])
         self.counters.read_seconds += time.perf_counter() - start
         hits = [False] * len(keys)
         for (i, _, _), outcome in zip(jobs, outcomes, strict=True):
@@ -291,9 +293,7 @@ class FileTier(Tier):
     async def delete(self, keys: Sequence[BlockKey]) -> None:
         """Unlink the keys' files on the I/O threads; absent keys are ignored, failures counted (``io``)."""
         present = [key for key in dict.fromkeys(keys) if key in self._index]
-        loop = asyncio.get_running_loop()
-        outcomes = await asyncio.gather(*(
-            loop.run_in_executor(self._executor, self._delete_block, key) for key in present))
+        outcomes = await self._on_io_threads(self._delete_block, [(key,) for key in present])
         for outcome in outcomes:
             if outcome.error is not None:
                 self.counters.error(outcome.error)
@@ -356,6 +356,40 @@ class FileTier(Tier):
         else:
             self._capacity_log.log("file tier %r: disk space came back; effective capacity %d → %d bytes (configured %d)",
                         self.name, before, after, wanted)
+
+    async def _on_io_threads(self, work: Callable[..., _Outcome], jobs: list[tuple[Any, ...]]) -> list[_Outcome]:
+        """Run ``work(*job)`` for every job on the I/O threads: one executor task per thread, not per block.
+
+        Up to ``io_threads`` tasks drain one shared queue (``deque.popleft`` is atomic), so a slow file
+        holds up only its own thread and a batch costs a few futures instead of one per block (about
+        120 µs each, measured, when every block went through asyncio and the pool on its own). If the
+        caller is cancelled, the threads take no further jobs and the call waits for the ones running,
+        so that no thread reads or writes the caller's buffers after the call has ended (the same after a
+        bug in ``work``, which is raised).
+        """
+        if not jobs:
+            return []
+        queue = deque(enumerate(jobs))
+        outcomes: list[_Outcome] = [_NOT_RUN] * len(jobs)
+        stop = threading.Event()
+
+        def drain() -> None:
+            while not stop.is_set():
+                try:
+                    index, job = queue.popleft()
+                except IndexError:
+                    return
+                outcomes[index] = work(*job)
+
+        loop = asyncio.get_running_loop()
+        futures = [loop.run_in_executor(self._executor, drain) for _ in range(min(self._io_threads, len(jobs)))]
+        try:
+            await asyncio.shield(asyncio.gather(*futures))
+        except BaseException:  # cancelled (or a bug in ``work``): stop, and let no thread outlive the call
+            stop.set()
+            await asyncio.wait(futures)
+            raise
+        return outcomes
 
     # --- paths and directories ---------------------------------------------------------------------
     def path_of(self, key: BlockKey) -> Path:
@@ -730,17 +764,6 @@ class FileTier(Tier):
             if capacity is not None and used > capacity:
                 log.debug("file tier %r: group %d holds %d bytes, over its capacity of %d (the cache evicts)",
                           self.name, gid, used, capacity)
-
-
-async def _all_done(futures: list[asyncio.Future[_Outcome]]) -> list[_Outcome]:
-    """Gather the I/O threads' results; if the caller is cancelled, wait for them first, so that no
-    thread reads or writes the caller's buffers after the call has ended."""
-    try:
-        return await asyncio.shield(asyncio.gather(*futures))
-    except asyncio.CancelledError:
-        if futures:
-            await asyncio.wait(futures)
-        raise
 
 
 def _open_block(path: str, flags: int = 0) -> int:

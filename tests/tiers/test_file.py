@@ -137,6 +137,67 @@ def test_io_runs_in_parallel_on_the_pool(tmp_path: Path, monkeypatch: pytest.Mon
     run(tier.close())
 
 
+def test_a_long_batch_shared_by_the_threads_keeps_every_result_in_place(tmp_path: Path) -> None:
+    """More blocks than threads, mixed with a damaged file, a deleted one and a key never stored: each
+    result lands at its own index and every hit is exact, whichever thread read it."""
+    tier = make_tier(tmp_path, io_threads=3)
+    n = 40
+    keys = [key(i) for i in range(n)]
+    blocks = [random_block(0, i) for i in range(n)]
+    assert run(tier.put(keys, blocks)) == [True] * n
+    with open(tier.path_of(keys[7]), "r+b") as f:
+        f.seek(PAGE + 100)
+        f.write(b"\xff\x00\xff")
+    tier.path_of(keys[23]).unlink()
+    wanted = [*keys[:30], key(999), *keys[30:]]
+    out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in wanted]
+    hits = run(tier.get(wanted, out))
+    assert [i for i, hit in enumerate(hits) if not hit] == [7, 23, 30]
+    assert all(torch.equal(out[i], blocks[i if i < 30 else i - 1]) for i in range(len(wanted)) if hits[i])
+    assert tier.counters.errors == {"corrupt": 1, "missing": 1}
+    run(tier.close())
+
+
+def test_a_cancelled_get_takes_no_further_blocks_and_leaves_buffers_alone(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelling a get stops the I/O threads after the block each is reading; once the cancellation
+    has returned, no thread writes into the caller's buffers."""
+    tier = make_tier(tmp_path, io_threads=2)
+    n = 30
+    keys = [key(i) for i in range(n)]
+    assert run(tier.put(keys, [random_block(0, i) for i in range(n)])) == [True] * n
+    started = threading.Event()
+    release = threading.Event()
+    reads = []
+    real_preadv = os.preadv
+
+    def slow_preadv(fd, buffers, offset):
+        reads.append(offset)
+        started.set()
+        release.wait(10)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", slow_preadv)
+    out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
+
+    async def cancel_mid_batch() -> None:
+        task = asyncio.ensure_future(tier.get(keys, out))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(cancel_mid_batch())
+    read_then = len(reads)
+    snapshot = [o.clone() for o in out]
+    threading.Event().wait(0.2)
+    assert read_then <= 2  # one block per thread was in flight; none was started after the cancel
+    assert len(reads) == read_then and all(torch.equal(a, b) for a, b in zip(out, snapshot, strict=True))
+    run(tier.close())
+
+
 def test_restart_keeps_blocks_and_rebuilds_index(tmp_path: Path) -> None:
     tier = make_tier(tmp_path, compression="lz4")
     keys = [key(i, g) for g in LAYOUTS for i in range(4)]

@@ -214,6 +214,26 @@ def test_tampered_values_miss_and_are_deleted(redis_url: str, namespace: str, ma
     assert torch.equal(out[3], blocks[3])
 
 
+def test_long_batches_of_small_blocks_keep_their_places(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
+    """A long batch shared by the I/O threads: a corrupt value, a short one and a missing key in its
+    middle are misses at their own index, every other block comes back exact."""
+    tier = make_tier("r", {0: SMALL}, namespace=namespace, url=redis_url, max_connections=2)
+    n = 300
+    keys, blocks = keys_for(n), kv_like(SMALL, n, seed=3)
+    assert asyncio.run(tier.put(keys, blocks)) == [True] * n
+    client = sync_client(redis_url)
+    good = client.get(tier.redis_key(keys[150]))
+    client.set(tier.redis_key(keys[150]), good[:-1] + bytes([good[-1] ^ 1]))  # checksum mismatch
+    client.set(tier.redis_key(keys[151]), b"short")
+    client.delete(tier.redis_key(keys[152]))
+    client.close()
+    out = empty_like_blocks(SMALL, n)
+    hits = asyncio.run(tier.get(keys, out))
+    assert [i for i, hit in enumerate(hits) if not hit] == [150, 151, 152]
+    assert all(torch.equal(out[i], blocks[i]) for i in range(n) if hits[i])
+    assert tier.counters.errors == {"corrupt": 2}
+
+
 def test_wrong_layout_fingerprint_is_a_miss(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
     writer = make_tier("w", {0: SMALL}, namespace=namespace, url=redis_url)
     reader = make_tier("r", {0: SMALL_OTHER}, namespace=namespace, url=redis_url)
