@@ -115,6 +115,7 @@ class AsyncTieredCache:
         self.residency = residency
         self.namespace = namespace
         self.layouts = {g.group_id: g.layout for g in spec.groups}
+        self._block_bytes = {g: layout.nbytes for g, layout in self.layouts.items()}
         self._activity = [TierActivity() for _ in self.tiers]
         self._capacity_seen = [tier.capacity_version for tier in self.tiers]
         self._remote = [t for t, tier in enumerate(self.tiers) if tier.self_evicting]
@@ -451,17 +452,17 @@ class AsyncTieredCache:
         """
         if len(rows) != len(keys):
             raise LayoutMismatch(f"{len(keys)} keys but {len(rows)} rows")
-        layouts = self.layouts
+        block_bytes, uint8, cpu = self._block_bytes, torch.uint8, torch.device("cpu")
         for i, (key, row) in enumerate(zip(keys, rows, strict=True)):
             if row is None:
                 continue
-            layout = layouts.get(key.group_id) if isinstance(key, BlockKey) else None
-            if layout is None:
+            nbytes = block_bytes.get(key.group_id) if isinstance(key, BlockKey) else None
+            if nbytes is None:
                 self._check_keys([key])  # raises, naming what is wrong with it
                 raise AssertionError  # pragma: no cover - _check_keys raised
-            if (not isinstance(row, torch.Tensor) or row.dtype != torch.uint8 or row.dim() != 1
-                    or row.numel() != layout.nbytes or row.device.type != "cpu" or not row.is_contiguous()):
-                raise LayoutMismatch(f"rows[{i}] must be a contiguous [{layout.nbytes}] uint8 CPU tensor, got "
+            if (not isinstance(row, torch.Tensor) or row.dtype != uint8 or row.dim() != 1
+                    or row.numel() != nbytes or row.device != cpu or not row.is_contiguous()):
+                raise LayoutMismatch(f"rows[{i}] must be a contiguous [{nbytes}] uint8 CPU tensor, got "
                                      + (f"{row.dtype} {tuple(row.shape)} on {row.device}"
                                         if isinstance(row, torch.Tensor) else type(row).__name__))
         with self._index_lock:
@@ -533,13 +534,13 @@ class AsyncTieredCache:
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark each key recently used in the top-most tier holding it READY (thread-safe, no I/O)."""
-        indexes = self.residency.tiers
+        tiers = [(index.entries, index.policies) for index in self.residency.tiers]
         with self._index_lock:
             self._check_open()
             for key in keys:
-                for t, index in enumerate(indexes):
-                    if index.entries.get(key) == READY:
-                        self.residency.touch(t, key)
+                for entries, policies in tiers:
+                    if entries.get(key) == READY:
+                        policies[key.group_id].access(key)  # Residency.touch, inlined: an engine's hot path
                         break
 
     def settle(self, plan: Plan, keys: Sequence[BlockKey], ok: bool = True) -> None:
@@ -560,13 +561,17 @@ class AsyncTieredCache:
                         self._activity[dst].stores += 1
                 self._activity[t].evictions += len(plan.drops[t])
             for t, idx in enumerate(plan.writes):
-                for i in idx:
-                    self.residency.finish_write(t, keys[i], ok)
-                    changed.append(keys[i])
-                    if ok:
-                        self._activity[t].stores += 1
-                    else:
-                        self._activity[t].failed_stores += 1
+                if not idx:
+                    continue
+                settle = self.residency.tiers[t].settle  # Residency.finish_write
+                written = [keys[i] for i in idx]
+                for key in written:
+                    settle(key, ok)
+                changed += written
+                if ok:
+                    self._activity[t].stores += len(idx)
+                else:
+                    self._activity[t].failed_stores += len(idx)
             self._changed(changed)
             if not ok:
                 self._report_removed(key for moves in plan.demotions for key, _ in moves)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from enum import Enum
 from typing import Literal
 
@@ -80,7 +81,7 @@ class BlockLayout:
         """Logical dimensions in physical order, outermost first."""
         return (0, 1, 2, 3, 4) if self.token_layout == "NHD" else (0, 1, 3, 2, 4)
 
-    @property
+    @cached_property  # immutable; checked for every block a tier moves
     def shape(self) -> tuple[int, ...]:
         """Physical (contiguous) shape of one block."""
         logical = self.logical_shape
@@ -95,11 +96,11 @@ class BlockLayout:
         """Bytes of one layer's K and V inside a block."""
         return self.nbytes // self.num_layers
 
-    @property
+    @cached_property  # immutable; checked for every block a tier moves
     def numel(self) -> int:
         return math.prod(self.logical_shape)
 
-    @property
+    @cached_property  # immutable; checked for every block a tier moves
     def nbytes(self) -> int:
         """Bytes of one block: the size of every slot, file payload and Redis value (before codec)."""
         return self.numel * self.itemsize

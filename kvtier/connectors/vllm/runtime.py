@@ -140,6 +140,15 @@ class IndexMirror:
         loadable, memory, offload_key = self.loadable, self._memory, self.codec.offload_key
         with self._lock:
             epoch = self.codec.epoch
+            if len(memory) == 1:  # the usual case, without a generator per key (every store lands here twice)
+                entries = memory[0]
+                for key in keys:
+                    if key.block_hash.startswith(epoch):
+                        if entries.get(key) == READY:
+                            loadable[offload_key(key)] = key
+                        else:
+                            loadable.pop(offload_key(key), None)
+                return
             for key in keys:
                 if not key.block_hash.startswith(epoch):
                     continue

@@ -164,7 +164,8 @@ class KVTierOffloadWorkerCore:
     def wait(self, job_ids: set[int]) -> None:
         """Block until the given jobs finished (their results still come from ``get_finished``)."""
         jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
-        concurrent.futures.wait([job.future for job in jobs])
+        if not all(job.future.done() for job in jobs):  # stores into CPU tiers finished in submit_store
+            concurrent.futures.wait([job.future for job in jobs])
         for job in jobs:
             if job.copied is not None:
                 job.copied.synchronize()
