@@ -267,9 +267,16 @@ class OffloadRuntime:
         ``pinned``: page-locked (torch's caching host allocator reuses freed ones), for CUDA page moves.
         """
         layout = self.core.layouts[group_id]
-        with torch.inference_mode(False):  # vLLM's worker runs in inference mode; kvtier's loop writes these
-            raw = torch.empty((count, layout.nbytes), dtype=torch.uint8, pin_memory=pinned)
+        raw = self.empty_rows(group_id, count, pinned=pinned)
         return raw, raw.view(layout.dtype).view(count, *layout.shape)
+
+    def empty_rows(self, group_id: int, count: int, *, pinned: bool = False) -> torch.Tensor:
+        """``count`` blocks of a group as ``[count, nbytes]`` uint8 (:meth:`empty_blocks` without the typed view)."""
+        nbytes = self.core.layouts[group_id].nbytes
+        if torch.is_inference_mode_enabled():  # vLLM's worker runs in inference mode; kvtier's loop writes these
+            with torch.inference_mode(False):
+                return torch.empty((count, nbytes), dtype=torch.uint8, pin_memory=pinned)
+        return torch.empty((count, nbytes), dtype=torch.uint8, pin_memory=pinned)
 
     # --- coroutines (run on the loop thread) ------------------------------------------------------------
     async def fetch(self, keys: Sequence[BlockKey]) -> int:

@@ -95,7 +95,7 @@ class KVTierOffloadWorkerCore:
                     log.warning("kvtier: a store of %d chunks came with %d engine blocks (sliding-window or "
                                 "null blocks); such chunks are not offloaded", len(group_keys), len(ids))
                 continue
-            raw, _ = self.runtime.empty_blocks(g, len(group_keys), pinned=self._stream is not None)
+            raw = self.runtime.empty_rows(g, len(group_keys), pinned=self._stream is not None)
             self.movers[g].gather(torch.from_numpy(ids), raw)
             for key, row in zip(group_keys, raw, strict=True):
                 rows[order[key]] = row
@@ -120,7 +120,7 @@ class KVTierOffloadWorkerCore:
             if skip + len(ids) > len(group_keys) * self.blocks_per_chunk:
                 raise LayoutMismatch(f"load of {len(ids)} engine blocks from {len(group_keys)} chunks "
                                      f"(skipping {skip}) does not fit")
-            raw, _ = self.runtime.empty_blocks(g, len(group_keys), pinned=self._stream is not None)
+            raw = self.runtime.empty_rows(g, len(group_keys), pinned=self._stream is not None)
             for row, key in enumerate(group_keys):
                 outs[order[key]] = raw[row]
             scatters.append((self.movers[g], raw, torch.from_numpy(ids), skip))
