@@ -46,6 +46,7 @@ from kvtier.policy.admission import AdmitAll
 from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import aligned_empty
+from kvtier.tiers.cpu import CpuTier
 
 if TYPE_CHECKING:
     from kvtier.prometheus import MetricsServer
@@ -119,8 +120,9 @@ class AsyncTieredCache:
         self._activity = [TierActivity() for _ in self.tiers]
         self._capacity_seen = [tier.capacity_version for tier in self.tiers]
         self._remote = [t for t, tier in enumerate(self.tiers) if tier.self_evicting]
-        #: every tier is a CPU tier, whose calls never wait: plans can run on the caller's thread (execute_now)
-        self._inline = bool(self.tiers) and all(tier.kind == "cpu" for tier in self.tiers)
+        #: every tier is kvtier's CPU tier, whose calls never wait: plans can run on the caller's thread
+        #: (execute_now); a subclass or another kind of tier may wait, so its plans run on the loop
+        self._inline = bool(self.tiers) and all(type(tier) is CpuTier for tier in self.tiers)
         self._mutation: asyncio.Lock | None = None
         self._index_lock = threading.Lock()
         self._watchers: list[ResidencyWatcher] = []
