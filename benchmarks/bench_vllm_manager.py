@@ -6,7 +6,9 @@ the call sequence of vLLM's ``OffloadingConnector`` per request: ``on_new_reques
 the first non-hit → ``prepare_load``/``complete_load`` of the hits → ``prepare_store``/
 ``complete_store`` of the rest → ``on_request_finished``. kvtier's side also runs its worker: the
 pages of every stored block are copied out of a (small) KV cache and written to the CPU tier, and
-every load is read back into it. vLLM's CPU worker needs CUDA, so its side is the manager alone.
+every load is read back into it. vLLM's CPU worker needs CUDA, so its side is the manager alone; the
+like-for-like kvtier row is ``kvtier-mgr``: kvtier's manager alone, as in vLLM's scheduler process when
+the workers are other processes (its index settles each store plan at ``complete_store``).
 
 Reported per eviction policy and capacity (share of the trace's distinct blocks): block hit ratio
 (hits / block references), total process CPU per block reference (every thread: kvtier's loop thread
@@ -35,6 +37,9 @@ import torch
 
 from kvtier.replay import read_trace
 
+#: vLLM's manager; kvtier's manager alone (its scheduler process when the workers are other processes);
+#: kvtier's manager + worker in one process (the worker copies pages and runs the store plans)
+SIDES = ("vllm", "kvtier-mgr", "kvtier")
 TOKENS_PER_BLOCK = 16
 PAGE_BYTES = 2 * TOKENS_PER_BLOCK * 1 * 8 * 2  # K and V, 16 tokens, 1 KV head of 8 bf16 values
 ENGINE_BLOCKS = 256
@@ -95,6 +100,19 @@ def build_vllm(capacity: int, policy: str) -> tuple[Any, None, int]:
     return spec.get_manager(), None, spec.num_chunks
 
 
+def build_kvtier_manager(capacity: int, policy: str) -> tuple[Any, None, int]:
+    """kvtier's manager alone, as in vLLM's scheduler process when the workers are other processes
+    (TP, the multiprocess executor): the index settles a plan at ``complete_store``; no bytes move."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    kvtier_config = {"model": {"num_kv_heads": 1, "head_dim": 8},
+                     "tiers": [{"type": "cpu", "capacity": capacity * PAGE_BYTES, "eviction": policy}]}
+    spec = OffloadingSpecFactory.create_spec(offloading_config(
+        {"spec_module_path": "kvtier.connectors.vllm", "spec_name": "KVTierOffloadingSpec",
+         "kvtier_config": kvtier_config}, f"kvtier-manager-{policy}-{capacity}"))
+    return spec.get_manager(), None, capacity
+
+
 def build_kvtier(capacity: int, policy: str) -> tuple[Any, Any, int]:
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
@@ -113,7 +131,8 @@ def build_kvtier(capacity: int, policy: str) -> tuple[Any, Any, int]:
 def replay(side: str, policy: str, requests: list[list[bytes]], capacity: int) -> Result:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext
 
-    manager, worker, blocks = (build_kvtier if side == "kvtier" else build_vllm)(capacity, policy)
+    build = {"vllm": build_vllm, "kvtier-mgr": build_kvtier_manager, "kvtier": build_kvtier}[side]
+    manager, worker, blocks = build(capacity, policy)
     jobs = itertools.count()
     hit = LookupResult.HIT
     hits = references = calls = 0
@@ -166,6 +185,8 @@ def replay(side: str, policy: str, requests: list[list[bytes]], capacity: int) -
     wall = time.perf_counter() - wall
     if worker is not None:
         worker.shutdown()
+    else:
+        getattr(manager, "runtime", SimpleNamespace(close=lambda: None)).close()
     return Result(side, policy, blocks, references, hits, process, thread - worker_seconds, calls, wall)
 
 
@@ -187,23 +208,24 @@ def main() -> None:
     requests = [[k.block_hash.rjust(32, b"\0") + (0).to_bytes(4, "big") for k in keys] for keys in trace.requests]
     print(f"trace {path.name}: {len(requests)} requests, {trace.references} block references, "
           f"{trace.distinct_blocks} distinct blocks; python {sys.version.split()[0]}, torch {torch.__version__}")
-    header = (f"{'policy':<6} {'capacity':>14} {'side':<7} {'hit ratio':>9} {'CPU µs/ref':>10} "
+    header = (f"{'policy':<6} {'capacity':>14} {'side':<10} {'hit ratio':>9} {'CPU µs/ref':>10} "
               f"{'sched µs/call':>13} {'wall s':>7}")
     print(header)
     print("-" * len(header))
     for policy in args.policies.split(","):
         for percent in (float(p) for p in args.capacities.split(",")):
             capacity = max(1, int(trace.distinct_blocks * percent / 100))
-            pair = []
-            for side in ("vllm", "kvtier"):  # same process, same trace, one after the other
+            results = []
+            for side in SIDES:  # same process, same trace, one after the other
                 res = replay(side, policy, requests, capacity)
-                pair.append(res)
-                print(f"{policy:<6} {f'{percent:g}% ({res.capacity_blocks})':>14} {side:<7} {res.hit_ratio:>9.4f} "
+                results.append(res)
+                print(f"{policy:<6} {f'{percent:g}% ({res.capacity_blocks})':>14} {side:<10} {res.hit_ratio:>9.4f} "
                       f"{res.cpu_us_per_reference:>10.2f} {res.scheduler_us_per_call:>13.3f} {res.wall_seconds:>7.1f}")
-            theirs, ours = pair
-            print(f"{'':<6} {'':>14} {'ratio':<7} {ours.hit_ratio - theirs.hit_ratio:>+9.4f} "
-                  f"{ours.cpu_us_per_reference / theirs.cpu_us_per_reference:>9.2f}x "
-                  f"{ours.scheduler_us_per_call / theirs.scheduler_us_per_call:>12.2f}x")
+            theirs = results[0]
+            for ours in results[1:]:
+                print(f"{'':<6} {'':>14} {ours.side + '/vllm':<10} {ours.hit_ratio - theirs.hit_ratio:>+9.4f} "
+                      f"{ours.cpu_us_per_reference / theirs.cpu_us_per_reference:>9.2f}x "
+                      f"{ours.scheduler_us_per_call / theirs.scheduler_us_per_call:>12.2f}x")
 
 
 if __name__ == "__main__":

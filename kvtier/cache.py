@@ -46,6 +46,7 @@ from kvtier.policy.admission import AdmitAll
 from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import aligned_empty
+from kvtier.tiers.cpu import CpuTier
 
 if TYPE_CHECKING:
     from kvtier.prometheus import MetricsServer
@@ -81,10 +82,11 @@ def _operation(method: Callable[Concatenate[AsyncTieredCache, P], Awaitable[T]]
 
     @functools.wraps(method)
     async def tracked(self: AsyncTieredCache, *args: P.args, **kwargs: P.kwargs) -> T:
-        self._check_open()
         task = asyncio.current_task()
         ops = self._operations
-        ops[task] = ops.get(task, 0) + 1
+        with self._index_lock:  # execute_now reads it under the lock: it never runs beside a call on the loop
+            self._check_open()
+            ops[task] = ops.get(task, 0) + 1
         try:
             return await method(self, *args, **kwargs)
         except asyncio.CancelledError:
@@ -93,9 +95,10 @@ def _operation(method: Callable[Concatenate[AsyncTieredCache, P], Awaitable[T]]
                                   f"(it did not finish within {INFLIGHT_GRACE_SECONDS:g} s)") from None
             raise
         finally:
-            count = ops.pop(task, 1) - 1
-            if count:
-                ops[task] = count
+            with self._index_lock:
+                count = ops.pop(task, 1) - 1
+                if count:
+                    ops[task] = count
 
     return tracked
 
@@ -113,9 +116,13 @@ class AsyncTieredCache:
         self.residency = residency
         self.namespace = namespace
         self.layouts = {g.group_id: g.layout for g in spec.groups}
+        self._block_bytes = {g: layout.nbytes for g, layout in self.layouts.items()}
         self._activity = [TierActivity() for _ in self.tiers]
         self._capacity_seen = [tier.capacity_version for tier in self.tiers]
         self._remote = [t for t, tier in enumerate(self.tiers) if tier.self_evicting]
+        #: every tier is kvtier's CPU tier, whose calls never wait: plans can run on the caller's thread
+        #: (execute_now); a subclass or another kind of tier may wait, so its plans run on the loop
+        self._inline = bool(self.tiers) and all(type(tier) is CpuTier for tier in self.tiers)
         self._mutation: asyncio.Lock | None = None
         self._index_lock = threading.Lock()
         self._watchers: list[ResidencyWatcher] = []
@@ -188,7 +195,8 @@ class AsyncTieredCache:
         """
         if self._closed:
             return
-        self._closed = True
+        with self._index_lock:  # an execute_now running on another thread finishes before this returns
+            self._closed = True
         await self._settle_operations()
         if self.persist_on_close and self._started:
             await self.persist(self.persist_budget_seconds)
@@ -433,15 +441,108 @@ class AsyncTieredCache:
         self._counts["stored_blocks"] += count
         return count
 
+    def execute_now(self, plan: Plan, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None]) -> int | None:
+        """Run a plan from :meth:`plan_store` on the caller's thread if it can be; else None (then :meth:`execute` it).
+
+        For an engine's worker storing into CPU tiers (vLLM's, next to its scheduler): the copies and
+        index updates run under the index lock, without a hop to the loop thread, whose wake-ups cost
+        more CPU than the copies. It runs only when every tier is a CPU tier (their calls never wait)
+        and no call is in flight on the loop; the caller keeps plans in order (none of its plans may be
+        queued on the loop meanwhile). ``rows[i]``: key ``i``'s block as ``[nbytes]`` uint8 on the CPU
+        (no copy), or None when its bytes never came (its planned writes fail). Returns how many of
+        ``keys`` are now cached.
+        """
+        if len(rows) != len(keys):
+            raise LayoutMismatch(f"{len(keys)} keys but {len(rows)} rows")
+        block_bytes, uint8, cpu = self._block_bytes, torch.uint8, torch.device("cpu")
+        for i, (key, row) in enumerate(zip(keys, rows, strict=True)):
+            if row is None:
+                continue
+            nbytes = block_bytes.get(key.group_id) if isinstance(key, BlockKey) else None
+            if nbytes is None:
+                self._check_keys([key])  # raises, naming what is wrong with it
+                raise AssertionError  # pragma: no cover - _check_keys raised
+            if (not isinstance(row, torch.Tensor) or row.dtype != uint8 or row.dim() != 1
+                    or row.numel() != nbytes or row.device != cpu or not row.is_contiguous()):
+                raise LayoutMismatch(f"rows[{i}] must be a contiguous [{nbytes}] uint8 CPU tensor, got "
+                                     + (f"{row.dtype} {tuple(row.shape)} on {row.device}"
+                                        if isinstance(row, torch.Tensor) else type(row).__name__))
+        with self._index_lock:
+            self._check_open()
+            if not self._inline or not self._started or self._operations or any(
+                    tier.capacity_version != seen for tier, seen in zip(self.tiers, self._capacity_seen, strict=True)):
+                return None
+            for t in reversed(range(len(self.tiers))):
+                if plan.demotions[t]:
+                    self._demote_now(t, plan.demotions[t])
+                if plan.drops[t]:
+                    self._activity[t].evictions += len(plan.drops[t])
+                    self._io_now(t, "delete", plan.drops[t])
+            stored = 0
+            for t, idx in enumerate(plan.writes):
+                if not idx:
+                    continue
+                present = [i for i in idx if rows[i] is not None]
+                done = dict(zip(present, self._io_now(t, "put", [keys[i] for i in present],
+                                                      [rows[i] for i in present]), strict=True))
+                activity = self._activity[t]
+                for i in idx:
+                    ok = done.get(i, False)
+                    self.residency.finish_write(t, keys[i], ok)
+                    if ok:
+                        stored += 1
+                        activity.stores += 1
+                    else:
+                        activity.failed_stores += 1
+                self._changed(keys[i] for i in idx)
+            self._report_removed(k for moves in plan.demotions for k, _ in moves)
+            self._counts["stored_blocks"] += stored
+        return stored
+
+    def _demote_now(self, src: int, moves: list[tuple[BlockKey, int]]) -> None:
+        """:meth:`_demote` between CPU tiers, on the caller's thread (index lock held)."""
+        keys = [k for k, _ in moves]
+        views = self.tiers[src].views(keys)
+        by_dst: dict[int, list[int]] = {}
+        for i, (_, dst) in enumerate(moves):
+            by_dst.setdefault(dst, []).append(i)
+        for dst, idx in by_dst.items():
+            res = self._io_now(dst, "put", [keys[i] for i in idx], [views[i] for i in idx])
+            for i, ok in zip(idx, res, strict=True):
+                self.residency.finish_demotion(src, dst, keys[i], ok)
+                if ok:
+                    self._activity[src].demotions_out += 1
+                    self._activity[dst].stores += 1
+                else:
+                    self._activity[dst].failed_stores += 1
+            self._changed(keys[i] for i in idx)
+
+    def _io_now(self, t: int, op: str, keys: list[BlockKey], *args: Any) -> list[bool]:
+        """:meth:`_safe_io` for a CPU tier, on the caller's thread: its coroutines finish without waiting."""
+        if not keys:
+            return []
+        tier = self.tiers[t]
+        start = time.perf_counter()
+        try:
+            result = _run_now(getattr(tier, op)(keys, *args))
+        except LayoutMismatch:
+            raise
+        except Exception as exc:
+            tier.counters.error(type(exc).__name__)
+            log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
+            return [False] * len(keys)
+        self._activity[t].observe(op, time.perf_counter() - start)
+        return [True] * len(keys) if result is None else cast("list[bool]", result)
+
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark each key recently used in the top-most tier holding it READY (thread-safe, no I/O)."""
-        indexes = self.residency.tiers
+        tiers = [(index.entries, index.policies) for index in self.residency.tiers]
         with self._index_lock:
             self._check_open()
             for key in keys:
-                for t, index in enumerate(indexes):
-                    if index.entries.get(key) == READY:
-                        self.residency.touch(t, key)
+                for entries, policies in tiers:
+                    if entries.get(key) == READY:
+                        policies[key.group_id].access(key)  # Residency.touch, inlined: an engine's hot path
                         break
 
     def settle(self, plan: Plan, keys: Sequence[BlockKey], ok: bool = True) -> None:
@@ -462,13 +563,17 @@ class AsyncTieredCache:
                         self._activity[dst].stores += 1
                 self._activity[t].evictions += len(plan.drops[t])
             for t, idx in enumerate(plan.writes):
-                for i in idx:
-                    self.residency.finish_write(t, keys[i], ok)
-                    changed.append(keys[i])
-                    if ok:
-                        self._activity[t].stores += 1
-                    else:
-                        self._activity[t].failed_stores += 1
+                if not idx:
+                    continue
+                settle = self.residency.tiers[t].settle  # Residency.finish_write
+                written = [keys[i] for i in idx]
+                for key in written:
+                    settle(key, ok)
+                changed += written
+                if ok:
+                    self._activity[t].stores += len(idx)
+                else:
+                    self._activity[t].failed_stores += len(idx)
             self._changed(changed)
             if not ok:
                 self._report_removed(key for moves in plan.demotions for key, _ in moves)
@@ -933,6 +1038,16 @@ async def _outcomes(calls: list[Coroutine[Any, Any, T]]) -> list[T | BaseExcepti
         return [await calls[0]]
     except Exception as exc:
         return [exc]
+
+
+def _run_now(coro: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that finishes without waiting (a CPU tier's call); RuntimeError if it waits."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return cast("T", done.value)
+    coro.close()
+    raise RuntimeError("a tier call run on the caller's thread waited; only CPU tiers may run there")
 
 
 def _check_device(blocks: torch.Tensor, what: str) -> None:

@@ -177,31 +177,32 @@ class Residency:
         """
         plan = Plan(len(self.tiers))
         write_through = self.placement.write_mode == "write_through"
+        # per target tier, hoisted out of the per-key loop (an engine's scheduler plans every store here)
+        targets = [(t, self.tiers[t], self.placement.admission[t].admit, plan.writes[t])
+                   for t in ([only_tier] if only_tier is not None else range(len(self.tiers)))]
+        skipped = plan.skipped
         for i, key in enumerate(keys):
-            hint = hints[i] if hints is not None else InsertHint(position=i)
-            targets = [only_tier] if only_tier is not None else range(len(self.tiers))
             placed = wrote = False
-            for t in targets:
-                index = self.tiers[t]
+            for t, index, admit, writes in targets:
                 if key in index.entries:
-                    self.touch(t, key)
+                    index.policies[key.group_id].access(key)  # Residency.touch
                     placed = True
                     if write_through:
                         continue
                     break
                 if key in index.pins:
                     continue  # a load reads an older copy here: never overwrite (docs/architecture.md#pins)
-                if not index.fits(key.group_id) or not self.placement.admission[t].admit(key):
+                if not index.fits(key.group_id) or not admit(key):
                     continue
                 if not self._make_room(t, key.group_id, plan):
                     continue
-                index.add(key, hint, ready=False)
-                plan.writes[t].append(i)
+                index.add(key, hints[i] if hints is not None else InsertHint(position=i), ready=False)
+                writes.append(i)
                 placed = wrote = True
                 if not write_through:
                     break
             if placed and not wrote:
-                plan.skipped.append(i)
+                skipped.append(i)
         return plan
 
     def _make_room(self, t: int, group_id: int, plan: Plan) -> bool:
@@ -209,13 +210,17 @@ class Residency:
         victims = index.victims_for(group_id, index.block_bytes[group_id])
         if victims is None:
             return False
+        if not victims:
+            return True
+        write_back = self.placement.write_mode == "write_back" and t + 1 < len(self.tiers)  # a tier below
+        drops = plan.drops[t]
         for victim in victims:
             index.discard(victim)
-            dst = self._demotion_target(t, victim, plan)
+            dst = self._demotion_target(t, victim, plan) if write_back else None
             if dst is not None:
                 index.pin(victim)  # read by the demotion copy before it is dropped
                 plan.demotions[t].append((victim, dst))
-            plan.drops[t].append(victim)
+            drops.append(victim)
         return True
 
     def _demotion_target(self, t: int, key: BlockKey, plan: Plan) -> int | None:

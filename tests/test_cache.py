@@ -389,3 +389,47 @@ def test_clear_empties_the_chosen_tiers_but_keeps_pinned_blocks(two_tier_config:
         cache.release(keys[:1], [0])
         assert same(out[0], blocks[0])
         assert cache.load(keys, out) == 3 and same(out, blocks)  # the file tier still holds every block
+
+
+def _cpu_only_config(blocks: int) -> dict[str, Any]:
+    return {"model": dict(SMALL_MODEL), "hash_block_size": 16,
+            "tiers": [{"type": "cpu", "capacity": blocks * small_layout().nbytes}]}
+
+
+def test_execute_now_runs_a_cpu_plan_on_the_callers_thread_bit_exact() -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(6), random_blocks(6, layout, seed=11)
+    rows = [block.contiguous().view(torch.uint8).view(-1) for block in blocks]
+    with TieredCache.from_config(_cpu_only_config(4)) as cache:
+        core = cache.core
+        removed: list[BlockKey] = []
+        core.add_watcher(type("W", (), {"residency_changed": lambda self, k: None,
+                                         "blocks_removed": lambda self, k: removed.extend(k)})())
+        plan = core.plan_store(keys[:4])
+        assert cache.lookup(keys[:4]) == 0  # planned, not executed: pending, invisible
+        assert core.execute_now(plan, keys[:4], rows[:3] + [None]) == 3  # the fourth's bytes never came
+        assert cache.lookup(keys[:4]) == 3 and cache.stats().stored_blocks == 3
+        plan = core.plan_store(keys[4:])  # two evictions, reported by the plan
+        assert len(removed) == 1  # one free slot (the failed write's), one victim
+        assert core.execute_now(plan, keys[4:], rows[4:]) == 2
+        out = torch.empty((2, *layout.shape), dtype=layout.dtype)
+        assert cache.load(keys[4:], out) == 2 and same(out, blocks[4:])
+        with pytest.raises(LayoutMismatch, match=r"rows\[0\] must be a contiguous"):
+            core.execute_now(core.plan_store(keys[:1]), keys[:1], [blocks[0]])  # typed, not bytes
+
+
+def test_execute_now_declines_slow_tiers_and_refuses_after_close(two_tier_config: dict[str, Any]) -> None:
+    from kvtier import CacheClosed
+
+    layout = small_layout()
+    keys, blocks = make_keys(1), random_blocks(1, layout)
+    row = blocks[0].contiguous().view(torch.uint8).view(-1)
+    with TieredCache.from_config(two_tier_config) as cache:  # a file tier: its calls wait on I/O
+        plan = cache.core.plan_store(keys)
+        assert cache.core.execute_now(plan, keys, [row]) is None
+        assert cache._call(cache.core.execute(plan, keys, [blocks[0]])) == 1  # declined plans run on the loop
+    cache = TieredCache.from_config(_cpu_only_config(2))
+    plan = cache.core.plan_store(keys)
+    cache.close()
+    with pytest.raises(CacheClosed):
+        cache.core.execute_now(plan, keys, [row])

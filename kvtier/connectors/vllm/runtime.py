@@ -140,6 +140,15 @@ class IndexMirror:
         loadable, memory, offload_key = self.loadable, self._memory, self.codec.offload_key
         with self._lock:
             epoch = self.codec.epoch
+            if len(memory) == 1:  # the usual case, without a generator per key (every store lands here twice)
+                entries = memory[0]
+                for key in keys:
+                    if key.block_hash.startswith(epoch):
+                        if entries.get(key) == READY:
+                            loadable[offload_key(key)] = key
+                        else:
+                            loadable.pop(offload_key(key), None)
+                return
             for key in keys:
                 if not key.block_hash.startswith(epoch):
                     continue
@@ -194,6 +203,7 @@ class OffloadRuntime:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-vllm", daemon=True)
         self._thread.start()
         self._closed = False
+        self._last_write: concurrent.futures.Future[int] | None = None  # the newest store sent to the loop
         self.call(self.core.start())
         self.mirror = IndexMirror(codec, self.residency, self.memory_tiers)
         self.core.add_watcher(self.mirror)
@@ -257,9 +267,16 @@ class OffloadRuntime:
         ``pinned``: page-locked (torch's caching host allocator reuses freed ones), for CUDA page moves.
         """
         layout = self.core.layouts[group_id]
-        with torch.inference_mode(False):  # vLLM's worker runs in inference mode; kvtier's loop writes these
-            raw = torch.empty((count, layout.nbytes), dtype=torch.uint8, pin_memory=pinned)
+        raw = self.empty_rows(group_id, count, pinned=pinned)
         return raw, raw.view(layout.dtype).view(count, *layout.shape)
+
+    def empty_rows(self, group_id: int, count: int, *, pinned: bool = False) -> torch.Tensor:
+        """``count`` blocks of a group as ``[count, nbytes]`` uint8 (:meth:`empty_blocks` without the typed view)."""
+        nbytes = self.core.layouts[group_id].nbytes
+        if torch.is_inference_mode_enabled():  # vLLM's worker runs in inference mode; kvtier's loop writes these
+            with torch.inference_mode(False):
+                return torch.empty((count, nbytes), dtype=torch.uint8, pin_memory=pinned)
+        return torch.empty((count, nbytes), dtype=torch.uint8, pin_memory=pinned)
 
     # --- coroutines (run on the loop thread) ------------------------------------------------------------
     async def fetch(self, keys: Sequence[BlockKey]) -> int:
@@ -355,6 +372,35 @@ class OffloadRuntime:
                 log.error("kvtier: block %s vanished between lookup and load", key)
                 sources.append(LOST)
         return sources
+
+    def store(self, plan: Plan | None, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None],
+              copied: Any = None, *, placed: bool = False) -> concurrent.futures.Future[int]:
+        """Run the manager's store plan with the blocks' bytes (``[nbytes]`` uint8 rows, None for one whose
+        pages never came); the future says how many are now cached.
+
+        With CPU tiers only and the bytes already there (no CUDA event to wait for), the plan runs on
+        the caller's thread (:meth:`AsyncTieredCache.execute_now`): no wake-up of the loop thread per
+        store, which cost several times the copies. Otherwise, or while a store sent to the loop has
+        not finished (plans run in the order planned), it runs on the loop (:meth:`write`).
+        """
+        if copied is None and (self._last_write is None or self._last_write.done()):
+            stored = self.core.execute_now(plan, keys, self._current_rows(keys, rows, placed)) \
+                if plan is not None and keys else 0
+            if stored is not None:
+                future: concurrent.futures.Future[int] = concurrent.futures.Future()
+                future.set_result(stored)
+                return future
+        blocks = [None if row is None else self._typed(key, row) for key, row in zip(keys, rows, strict=True)]
+        self._last_write = self.submit(self.write(plan, keys, blocks, copied, placed=placed))
+        return self._last_write
+
+    def _current_rows(self, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None],
+                      placed: bool) -> Sequence[torch.Tensor | None]:
+        """``rows`` without the blocks of an epoch before a reset (never stored: never served again)."""
+        current = self.codec.current
+        if placed or all(current(key) for key in keys):
+            return rows
+        return [row if current(key) else None for key, row in zip(keys, rows, strict=True)]
 
     async def write(self, plan: Plan | None, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor | None],
                     copied: Any = None, *, placed: bool = False) -> int:

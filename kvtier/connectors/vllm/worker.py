@@ -56,7 +56,8 @@ class KVTierOffloadWorkerCore:
     """vLLM's worker-side transfer calls over an :class:`OffloadRuntime` (independent of vLLM's classes).
 
     ``submit_store`` copies the pages out at once (the engine may reuse its blocks as soon as the job
-    is acknowledged) and stores in the background; ``submit_load`` copies the leased blocks at once
+    is acknowledged) and stores them: at once on this thread into CPU tiers, else in the background
+    on kvtier's loop (``OffloadRuntime.store``); ``submit_load`` copies the leased blocks at once
     (they are in memory: a memory tier or staging) and the pages are written by ``get_finished`` on
     the engine's thread, before the job is reported done.
     A store a tier refused is reported done (it is a later miss); a load reports failure only if a
@@ -79,9 +80,9 @@ class KVTierOffloadWorkerCore:
             raise LayoutMismatch("every KV-cache group must use the CUDA page mover, or none")
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: BlockTransferSpec) -> bool:
-        """Copy the pages of ``dst_spec.keys`` out of the engine now; run the manager's plan in the background."""
+        """Copy the pages of ``dst_spec.keys`` out of the engine now and run the manager's plan (``OffloadRuntime.store``)."""
         keys = list(dst_spec.keys)
-        blocks: list[torch.Tensor | None] = [None] * len(keys)  # a chunk without its pages: its writes fail
+        rows: list[torch.Tensor | None] = [None] * len(keys)  # a chunk without its pages: its writes fail
         order = {key: i for i, key in enumerate(keys)}
         nbytes = 0
         groups = split_by_group(keys, src_spec.block_ids, getattr(src_spec, "group_sizes", ()), len(self.movers))
@@ -94,14 +95,12 @@ class KVTierOffloadWorkerCore:
                     log.warning("kvtier: a store of %d chunks came with %d engine blocks (sliding-window or "
                                 "null blocks); such chunks are not offloaded", len(group_keys), len(ids))
                 continue
-            raw, typed = self.runtime.empty_blocks(g, len(group_keys), pinned=self._stream is not None)
+            raw = self.runtime.empty_rows(g, len(group_keys), pinned=self._stream is not None)
             self.movers[g].gather(torch.from_numpy(ids), raw)
-            for row, key in enumerate(group_keys):
-                blocks[order[key]] = typed[row]
+            for key, row in zip(group_keys, raw, strict=True):
+                rows[order[key]] = row
             nbytes += raw.numel()
-        copied = self._copies_done()
-        future = self.runtime.submit(self.runtime.write(dst_spec.plan, keys, blocks, copied,
-                                                          placed=dst_spec.placed))
+        future = self.runtime.store(dst_spec.plan, keys, rows, self._copies_done(), placed=dst_spec.placed)
         self._jobs[job_id] = _Job(future, is_load=False, nbytes=nbytes, started=time.perf_counter())
         return True
 
@@ -121,7 +120,7 @@ class KVTierOffloadWorkerCore:
             if skip + len(ids) > len(group_keys) * self.blocks_per_chunk:
                 raise LayoutMismatch(f"load of {len(ids)} engine blocks from {len(group_keys)} chunks "
                                      f"(skipping {skip}) does not fit")
-            raw, _ = self.runtime.empty_blocks(g, len(group_keys), pinned=self._stream is not None)
+            raw = self.runtime.empty_rows(g, len(group_keys), pinned=self._stream is not None)
             for row, key in enumerate(group_keys):
                 outs[order[key]] = raw[row]
             scatters.append((self.movers[g], raw, torch.from_numpy(ids), skip))
@@ -165,7 +164,8 @@ class KVTierOffloadWorkerCore:
     def wait(self, job_ids: set[int]) -> None:
         """Block until the given jobs finished (their results still come from ``get_finished``)."""
         jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
-        concurrent.futures.wait([job.future for job in jobs])
+        if not all(job.future.done() for job in jobs):  # stores into CPU tiers finished in submit_store
+            concurrent.futures.wait([job.future for job in jobs])
         for job in jobs:
             if job.copied is not None:
                 job.copied.synchronize()
