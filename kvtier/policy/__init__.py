@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.base import EvictionPolicy, InsertHint
+from kvtier.policy.chains import LeafLRUPolicy
 from kvtier.policy.lifetime import LearnedLifetimePolicy
 from kvtier.policy.lru import LRUPolicy
 from kvtier.policy.prefix import PrefixAwarePolicy
@@ -24,6 +25,7 @@ EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "tinylfu": WTinyLFUPolicy,
     "prefix": PrefixAwarePolicy,
     "lifetime": LearnedLifetimePolicy,
+    "leaf_lru": LeafLRUPolicy,
 }
 
 #: The policy used when a tier's config names none.
@@ -45,5 +47,5 @@ def make_eviction_policy(name: str) -> EvictionPolicy:
 
 
 __all__ = ["DEFAULT_EVICTION", "EVICTION_POLICIES", "ARCPolicy", "EvictionPolicy", "InsertHint",
-           "LRUPolicy", "LearnedLifetimePolicy", "PrefixAwarePolicy", "SievePolicy", "WTinyLFUPolicy",
+           "LRUPolicy", "LeafLRUPolicy", "LearnedLifetimePolicy", "PrefixAwarePolicy", "SievePolicy", "WTinyLFUPolicy",
            "make_eviction_policy"]
