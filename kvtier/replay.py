@@ -50,7 +50,7 @@ from typing import Any, TypeGuard
 
 from kvtier.blocks import BlockKey
 from kvtier.errors import KVTierError
-from kvtier.policy import DEFAULT_EVICTION, InsertHint
+from kvtier.policy import DEFAULT_EVICTION, EvictionPolicy, InsertHint
 from kvtier.policy.admission import AdmitAll
 from kvtier.policy.belady import NEVER, BeladyPolicy
 from kvtier.policy.placement import PlacementPolicy
@@ -312,13 +312,16 @@ ProgressFn = Callable[[int], None]
 
 def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: PlacementPolicy | None = None,
            *, bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN, progress: ProgressFn | None = None,
-           future: list[int] | None = None) -> ReplayResult:
+           future: list[int] | None = None,
+           make_policy: Callable[[], EvictionPolicy] | None = None) -> ReplayResult:
     """Replay ``trace`` through tiers of ``capacities`` blocks (top first) under one eviction policy.
 
     ``policy`` is an eviction policy name (``default`` = :data:`DEFAULT_EVICTION`) used in every
     tier, ``min`` for Belady's MIN under these rules or ``belady`` for Belady with bypass (both one
     tier only; ``future`` may pass :func:`next_uses` to save recomputing it). ``placement`` defaults to write-back, admit-all, promote-to-top.
-    ``progress`` is called with the number of block references done so far, every few hundred
+    ``make_policy`` builds each tier's policy object instead of the factory (to inspect it after;
+    ``policy`` is then only its label). ``progress`` is called with the number of block references
+    done so far, every few hundred
     requests. Per request, as the cache does it: the leading cached blocks are hits (touched, and
     promoted per the placement); the remaining blocks are stored (those still cached somewhere
     only touched); every planned write and demotion then succeeds. A block *hit* is a block cached
@@ -346,7 +349,9 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
         if future is None:
             future = next_uses(trace)
     else:
-        indexes = [TierIndex(f"tier{t}", {0: cap}, {0: 1}, policy) for t, cap in enumerate(capacities)]
+        indexes = [TierIndex(f"tier{t}", {0: cap}, {0: 1}, policy,
+                             policies=None if make_policy is None else {0: make_policy()})
+                   for t, cap in enumerate(capacities)]
     residency = Residency(indexes, placement)
     tiers = [TierResult(index.name, cap) for index, cap in zip(indexes, capacities, strict=True)]
     hits_in = [0] * num_tiers

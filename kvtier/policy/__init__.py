@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvtier.policy.adaptive import AdaptiveChainPolicy
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.base import EvictionPolicy, InsertHint
 from kvtier.policy.chains import LeafLRUPolicy
@@ -26,10 +27,11 @@ EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "prefix": PrefixAwarePolicy,
     "lifetime": LearnedLifetimePolicy,
     "leaf_lru": LeafLRUPolicy,
+    "adaptive": AdaptiveChainPolicy,
 }
 
 #: The policy used when a tier's config names none.
-DEFAULT_EVICTION = "lifetime"
+DEFAULT_EVICTION = "adaptive"
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:
@@ -46,6 +48,6 @@ def make_eviction_policy(name: str) -> EvictionPolicy:
     return factory()
 
 
-__all__ = ["DEFAULT_EVICTION", "EVICTION_POLICIES", "ARCPolicy", "EvictionPolicy", "InsertHint",
+__all__ = ["DEFAULT_EVICTION", "EVICTION_POLICIES", "ARCPolicy", "AdaptiveChainPolicy", "EvictionPolicy", "InsertHint",
            "LRUPolicy", "LeafLRUPolicy", "LearnedLifetimePolicy", "PrefixAwarePolicy", "SievePolicy", "WTinyLFUPolicy",
            "make_eviction_policy"]
