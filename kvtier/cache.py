@@ -112,6 +112,7 @@ class AsyncTieredCache:
             if tier.self_evicting:
                 continue
             surplus: list[BlockKey] = []
+            links = tier.chain_links()  # chains survive a restart: eviction still knows tails from heads
             with self._index_lock:
                 for key in tier.keys():
                     if key.group_id not in index.block_bytes or key in index:
@@ -119,7 +120,7 @@ class AsyncTieredCache:
                     if index.victims_for(key.group_id, index.block_bytes[key.group_id]) != []:
                         surplus.append(key)
                         continue
-                    index.add(key, InsertHint(), ready=True)
+                    index.add(key, InsertHint(predecessor=links.get(key)), ready=True)
                 self._changed(index.keys())
             if surplus:
                 log.info("tier %s holds %d blocks beyond its capacity; deleting them", tier.name, len(surplus))
@@ -203,16 +204,19 @@ class AsyncTieredCache:
         return loaded
 
     async def store(self, keys: Sequence[BlockKey], blocks: Blocks,
-                    hints: Sequence[InsertHint] | None = None) -> int:
+                    hints: Sequence[InsertHint] | None = None,
+                    predecessors: Sequence[BlockKey | None] | None = None) -> int:
         """Store blocks (already cached keys are only touched); return how many are now cached.
 
         ``blocks`` is a ``[n, *layout.shape]`` tensor of the group's dtype, or one such block per key.
         The bytes are copied before this returns. A block no tier could take is simply not cached.
+        ``predecessors`` (aligned with ``keys``; ``None`` = a chain head or unknown) names the block
+        before each one in its prefix chain: chain-aware eviction (the default) then evicts a
+        chain's tail before its head, and file tiers keep the link across restarts.
         """
         await self.start()
         buffers = self._byte_blocks(keys, blocks, "blocks")
-        if hints is None:
-            hints = [InsertHint(position=i) for i in range(len(keys))]
+        hints = _chain_hints(keys, hints, predecessors)
         assert self._mutation is not None
         async with self._mutation:
             plan = self._plan_store(keys, hints)
@@ -485,6 +489,7 @@ class AsyncTieredCache:
                     else:
                         self._activity[t].failed_stores += 1
                 self._changed(keys[i] for i in idx)
+                self._record_links(t, [keys[i] for i, ok in zip(idx, res, strict=True) if ok])
             self._report_removed((k for drops in plan.drops for k in drops), copied)
         if refused is not None:
             raise refused
@@ -523,7 +528,15 @@ class AsyncTieredCache:
                     else:
                         self._activity[dst].failed_stores += 1
                 self._changed(keys[i] for i in idx)
+                self._record_links(dst, [keys[i] for i, ok in zip(idx, res, strict=True) if ok])
         return copied
+
+    def _record_links(self, t: int, keys: Sequence[BlockKey]) -> None:
+        """Hand the chain links of blocks just written to tier ``t`` to it (a file tier persists them)."""
+        hints = self.residency.tiers[t].hints
+        links = [(k, p) for k in keys if (p := hints[k].predecessor if k in hints else None) is not None]
+        if links:
+            self.tiers[t].record_links(links)
 
     async def _safe_io(self, t: int, op: str, keys: list[BlockKey], *args: Any) -> list[bool]:
         """Call a tier's batched op; an unexpected exception is logged, counted and becomes all-False."""
@@ -556,6 +569,25 @@ class AsyncTieredCache:
         except Exception as exc:
             tier.counters.error(type(exc).__name__)
             log.warning("tier %s: delete of %d blocks failed: %r", tier.name, len(keys), exc)
+
+
+def _chain_hints(keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None,
+                 predecessors: Sequence[BlockKey | None] | None) -> Sequence[InsertHint]:
+    """Insert hints for a store: given, or positions in the call; predecessors folded in, checked."""
+    if hints is not None and len(hints) != len(keys):
+        raise ValueError(f"hints has {len(hints)} entries for {len(keys)} keys")
+    if predecessors is None:
+        return hints if hints is not None else [InsertHint(position=i) for i in range(len(keys))]
+    if isinstance(predecessors, (str, bytes)) or len(predecessors) != len(keys):
+        raise ValueError(f"predecessors must be a sequence of BlockKey or None aligned with keys "
+                         f"({len(keys)} keys), got {_length(predecessors)} entries")
+    out = []
+    for i, pred in enumerate(predecessors):
+        if pred is not None and not isinstance(pred, BlockKey):
+            raise TypeError(f"predecessors[{i}] must be a BlockKey or None, got {type(pred).__name__}")
+        hint = hints[i] if hints is not None else InsertHint(position=i)
+        out.append(hint._replace(predecessor=pred))
+    return out
 
 
 def _check_device(blocks: torch.Tensor, what: str) -> None:
@@ -615,18 +647,19 @@ class TieredCache:
         """See :meth:`AsyncTieredCache.load`."""
         return self._call(self.core.load(keys, out))
 
-    def store(self, keys: Sequence[BlockKey], blocks: Blocks, hints: Sequence[InsertHint] | None = None) -> int:
+    def store(self, keys: Sequence[BlockKey], blocks: Blocks, hints: Sequence[InsertHint] | None = None,
+              predecessors: Sequence[BlockKey | None] | None = None) -> int:
         """See :meth:`AsyncTieredCache.store`."""
-        return self._call(self.core.store(keys, blocks, hints))
+        return self._call(self.core.store(keys, blocks, hints, predecessors))
 
     def submit_load(self, keys: Sequence[BlockKey], out: Blocks) -> concurrent.futures.Future[int]:
         """Start a load; ``out`` must stay untouched until the future is done."""
         return self._submit(self.core.load(keys, out))
 
-    def submit_store(self, keys: Sequence[BlockKey], blocks: Blocks,
-                     hints: Sequence[InsertHint] | None = None) -> concurrent.futures.Future[int]:
+    def submit_store(self, keys: Sequence[BlockKey], blocks: Blocks, hints: Sequence[InsertHint] | None = None,
+                     predecessors: Sequence[BlockKey | None] | None = None) -> concurrent.futures.Future[int]:
         """Start a store; ``blocks`` must stay unchanged until the future is done."""
-        return self._submit(self.core.store(keys, blocks, hints))
+        return self._submit(self.core.store(keys, blocks, hints, predecessors))
 
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
         """See :meth:`AsyncTieredCache.lease` (thread-safe; runs on the caller's thread)."""
