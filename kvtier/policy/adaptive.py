@@ -40,7 +40,6 @@ from kvtier.policy.chains import ChainForest
 from kvtier.policy.lifetime import _NEVER_KEEP, LearnedLifetimePolicy
 
 
-
 def _last_reference(front: tuple[int, BlockKey, int]) -> int:
     return front[2]
 

@@ -87,10 +87,10 @@ class ChainForest:
                     parent = pred
         was_detached = key in self.detached
         self.detached.discard(key)
-        kids = self.children.get(key)
+        successors = self.children.get(key)
         detached: list[BlockKey] = []
-        if kids and not was_detached:
-            detached = [k for k in self.subtree(kids) if k not in self.detached]
+        if successors and not was_detached:
+            detached = [k for k in self.subtree(successors) if k not in self.detached]
             self.detached.update(detached)
         return parent, detached
 
