@@ -160,6 +160,39 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         out: list[BlockKey] = []
         if count <= 0:
             return out
+        if count == 1 and not self._detached:  # the common case, inlined
+            now, weights, learned = self._clock + 1, self.weights, self._learned
+            best: BlockKey | None = None
+            best_score = -1.0
+            for c, queue in enumerate(self._queues):
+                key = None
+                for key, t in queue.items():
+                    if key not in pinned:
+                        break
+                else:
+                    key = None
+                late = self._late[c]
+                if late:
+                    heap = self._late_heap[c]
+                    while heap and late.get(heap[0][1]) != heap[0][0]:
+                        heapq.heappop(heap)  # stale: forgetting it changes no order
+                    if heap and (key is None or heap[0][0] < t):
+                        if heap[0][1] in pinned:
+                            break  # rare: the careful walk below
+                        t, key = heap[0]
+                if key is None:
+                    continue
+                if learned:
+                    if weights[c] == _NEVER_KEEP:
+                        return [key]
+                    score = (now - t) * weights[c]
+                else:
+                    score = now - t
+                if score > best_score:
+                    best, best_score = key, score
+            else:
+                if best is not None:
+                    return [best]
         if self._detached:
             for key in sorted(self._detached, key=self._detached.__getitem__):
                 if key not in pinned:
