@@ -39,10 +39,10 @@ tiers:
 
 def test_demo_shows_the_policy_table_and_plot_of_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "tiny.yaml"
-    config.write_text(f"""
-model: {{name: tiny, num_layers: 2, num_kv_heads: 2, head_dim: 64}}
+    config.write_text("""
+model: {name: tiny, num_layers: 2, num_kv_heads: 2, head_dim: 64}
 tiers:
-  - {{type: cpu, capacity: 128KiB}}
+  - {type: cpu, capacity: 128KiB}
 """)
     trace = REPO / "tests" / "fixtures" / "mooncake_slice.jsonl"
     assert main(["demo", "--quiet", "--config", str(config), "--conversations", "2", "--turns", "2",

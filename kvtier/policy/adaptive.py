@@ -166,7 +166,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             best_score = -1.0
             for c, queue in enumerate(self._queues):
                 key = None
-                for key, t in queue.items():
+                for key, t in queue.items():  # noqa: B007 - t is the front's time, used below
                     if key not in pinned:
                         break
                 else:
