@@ -526,9 +526,10 @@ def belady_bypass(trace: Trace, capacity: int, *, future: list[int] | None = Non
 
 
 def gap_closed(result: ReplayResult, baseline: ReplayResult, ceiling: ReplayResult) -> float | None:
-    """Share of the prefix-hit gap between a baseline and MIN that ``result`` closes (None: no gap)."""
+    """Share of the prefix-hit gap between a baseline and MIN that ``result`` closes (None: no gap, or one
+    under 0.0005 — a share of nothing is noise)."""
     gap = ceiling.prefix_hit_ratio - baseline.prefix_hit_ratio
-    if gap <= 1e-12:
+    if gap < 5e-4:
         return None
     return (result.prefix_hit_ratio - baseline.prefix_hit_ratio) / gap
 
