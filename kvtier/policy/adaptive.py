@@ -45,7 +45,7 @@ def _last_reference(front: tuple[int, BlockKey, int]) -> int:
 
 
 class AdaptiveChainPolicy(LearnedLifetimePolicy):
-    """Chain-aware learned lifetimes with a regret-chosen fallback to leaf-first LRU (module docstring).
+    """Leaf-first eviction by learned per-class lifetimes, or by recency where they gain nothing (module docstring).
 
     ``capacity`` (blocks) as for :class:`LearnedLifetimePolicy`; without it, the most blocks held.
     """
