@@ -476,6 +476,7 @@ class AsyncTieredCache:
             self._safe_io(t, "put", [keys[i] for i in idx], [buffers[i] for i in idx]) for t, idx in writes),
             return_exceptions=True)
         refused: BaseException | None = None  # a tier refused the caller's buffers (LayoutMismatch)
+        links: list[tuple[int, list[tuple[BlockKey, BlockKey]]]] = []
         with self._index_lock:
             for (t, idx), res in zip(writes, results, strict=True):
                 if isinstance(res, BaseException):
@@ -489,8 +490,11 @@ class AsyncTieredCache:
                     else:
                         self._activity[t].failed_stores += 1
                 self._changed(keys[i] for i in idx)
-                self._record_links(t, [keys[i] for i, ok in zip(idx, res, strict=True) if ok])
+                links.append((t, self._links_of(t, [keys[i] for i, ok in zip(idx, res, strict=True) if ok])))
             self._report_removed((k for drops in plan.drops for k in drops), copied)
+        for t, written in links:  # outside the index lock: a file append must not stall lease()
+            if written:
+                self.tiers[t].record_links(written)
         if refused is not None:
             raise refused
         return sorted(stored)
@@ -528,15 +532,16 @@ class AsyncTieredCache:
                     else:
                         self._activity[dst].failed_stores += 1
                 self._changed(keys[i] for i in idx)
-                self._record_links(dst, [keys[i] for i, ok in zip(idx, res, strict=True) if ok])
+                written = self._links_of(dst, [keys[i] for i, ok in zip(idx, res, strict=True) if ok])
+            if written:  # outside the index lock: a file append must not stall lease()
+                self.tiers[dst].record_links(written)
         return copied
 
-    def _record_links(self, t: int, keys: Sequence[BlockKey]) -> None:
-        """Hand the chain links of blocks just written to tier ``t`` to it (a file tier persists them)."""
+    def _links_of(self, t: int, keys: Sequence[BlockKey]) -> list[tuple[BlockKey, BlockKey]]:
+        """(key, predecessor) of blocks just written to tier ``t``, for it to keep (a file tier persists
+        them); call under the index lock."""
         hints = self.residency.tiers[t].hints
-        links = [(k, p) for k in keys if (p := hints[k].predecessor if k in hints else None) is not None]
-        if links:
-            self.tiers[t].record_links(links)
+        return [(k, p) for k in keys if (p := hints[k].predecessor if k in hints else None) is not None]
 
     async def _safe_io(self, t: int, op: str, keys: list[BlockKey], *args: Any) -> list[bool]:
         """Call a tier's batched op; an unexpected exception is logged, counted and becomes all-False."""
