@@ -108,13 +108,16 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             self.access(key)
             return
         super().insert(key, hint)
-        parent, inner, attached = self.chains.link(key, hint.predecessor, self._meta)
+        parent, inner, attached, detached = self.chains.link(key, hint.predecessor, self._meta)
         if parent is not None and parent not in self._inner:
             self._inner[parent] = self._from_leaf(parent)
         for k in attached:
             t = self._detached.pop(k, None)
             if t is not None:
                 self._to_leaf(k, t)
+        for k in detached:
+            if k not in self._inner:
+                self._detached[k] = self._from_leaf(k)
         if inner or key in self.chains.detached:
             t = self._queues[self._meta[key][0]].pop(key)
             if inner:

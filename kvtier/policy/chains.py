@@ -10,9 +10,9 @@ links a partition needs to avoid that, from :attr:`InsertHint.predecessor`:
 * when a resident block leaves, its resident successors (and theirs) become *detached*: useless
   for prefix hits in this tier, so chain-aware policies demote or drop them before anything else;
   if the block comes back, they are attached again;
-* bad data costs nothing: a block naming itself is a root, a cycle cannot form (a link is only
-  made to a block already resident, so links always point to older entries), an unknown parent
-  is a root.
+* bad data costs nothing: a block naming itself is a root, an unknown parent makes a root, and a
+  link that would close a cycle (successors stored before their predecessor, which names one of
+  them as its own ancestor) is dropped, so every chain keeps a head and a tail.
 
 :class:`LeafLRUPolicy` evicts detached leaves first, then the least recently used *leaf* (a block
 no resident block continues), as SGLang's radix cache does; only when every leaf is pinned does it
@@ -44,12 +44,13 @@ class ChainForest:
         self.detached: set[BlockKey] = set()
 
     def link(self, key: BlockKey, pred: BlockKey | None, resident: Container[BlockKey]) -> tuple[
-            BlockKey | None, bool, list[BlockKey]]:
+            BlockKey | None, bool, list[BlockKey], list[BlockKey]]:
         """Record the new resident ``key``.
 
-        Returns ``(parent, inner, attached)``: ``parent`` is the resident predecessor that was a
-        leaf and now is not (None otherwise); ``inner`` says ``key`` already has resident
-        successors (they arrived first); ``attached`` are keys that were detached and are no more.
+        Returns ``(parent, inner, attached, detached)``: ``parent`` is the resident predecessor that
+        was a leaf and now is not (None otherwise); ``inner`` says ``key`` already has resident
+        successors (they arrived first); ``attached`` are keys that were detached and are no more;
+        ``detached`` are successors that arrived first and now hang under a detached ``key``.
         """
         parent: BlockKey | None = None
         if pred is not None and pred != key:
@@ -64,11 +65,18 @@ class ChainForest:
             if pred in self.detached:
                 self.detached.add(key)
         kids = self.children.get(key)
+        if kids and pred is not None and pred in resident:
+            self._break_cycles(key, kids, resident)
+            kids = self.children.get(key)
         attached: list[BlockKey] = []
+        detached: list[BlockKey] = []
         if kids and key not in self.detached:
             attached = [k for k in self.subtree(kids) if k in self.detached]
             self.detached.difference_update(attached)
-        return parent, bool(kids), attached
+        elif kids:
+            detached = [k for k in self.subtree(kids) if k not in self.detached]
+            self.detached.update(detached)
+        return parent, bool(kids), attached, detached
 
     def unlink(self, key: BlockKey, resident: Container[BlockKey]) -> tuple[BlockKey | None, list[BlockKey]]:
         """Forget the departed ``key``.
@@ -93,6 +101,20 @@ class ChainForest:
             detached = [k for k in self.subtree(successors) if k not in self.detached]
             self.detached.update(detached)
         return parent, detached
+
+    def _break_cycles(self, key: BlockKey, kids: list[BlockKey], resident: Container[BlockKey]) -> None:
+        """Successors that arrived before ``key`` and are also its ancestors (bad data: a cycle) lose
+        their link to it and become roots, so every chain has a head and a tail."""
+        ancestors: set[BlockKey] = set()
+        node = self.pred.get(key)
+        while node is not None and node in resident and node not in ancestors:
+            ancestors.add(node)
+            node = self.pred.get(node)
+        for k in [k for k in kids if k in ancestors]:
+            kids.remove(k)
+            del self.pred[k]
+        if not kids:
+            del self.children[key]
 
     def subtree(self, roots: list[BlockKey]) -> Iterator[BlockKey]:
         """``roots`` and every resident key below them (each once, even with bad data)."""
@@ -150,13 +172,17 @@ class LeafLRUPolicy(EvictionPolicy):
             return
         self._clock += 1
         self._time[key] = self._clock
-        parent, inner, attached = self.chains.link(key, hint.predecessor, self._time)
+        parent, inner, attached, detached = self.chains.link(key, hint.predecessor, self._time)
         if parent is not None:
             self._leave_lanes(parent)
             self._inner[parent] = None
         for k in attached:
             if self._detached.pop(k, 0) is None:
                 self._enter_leaf(k)
+        for k in detached:
+            if k in self._leaves or k in self._late:
+                self._leave_lanes(k)
+                self._detached[k] = None
         if inner:
             self._inner[key] = None
         else:
