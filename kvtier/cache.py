@@ -169,6 +169,7 @@ class AsyncTieredCache:
             if tier.self_evicting:
                 continue
             surplus: list[BlockKey] = []
+            links = tier.chain_links()  # chains survive a restart: eviction still knows tails from heads
             with self._index_lock:
                 for key in tier.keys():
                     if key.group_id not in index.block_bytes or key in index:
@@ -176,7 +177,7 @@ class AsyncTieredCache:
                     if index.victims_for(key.group_id, index.block_bytes[key.group_id]) != []:
                         surplus.append(key)
                         continue
-                    index.add(key, InsertHint(), ready=True)
+                    index.add(key, InsertHint(predecessor=links.get(key)), ready=True)
                 self._changed(index.keys())
             if surplus:
                 log.info("tier %s holds %d blocks beyond its capacity; deleting them", tier.name, len(surplus))
@@ -380,16 +381,19 @@ class AsyncTieredCache:
 
     @_operation
     async def store(self, keys: Sequence[BlockKey], blocks: Blocks,
-                    hints: Sequence[InsertHint] | None = None) -> int:
+                    hints: Sequence[InsertHint] | None = None,
+                    predecessors: Sequence[BlockKey | None] | None = None) -> int:
         """Store blocks (already cached keys are only touched); return how many are now cached.
 
         ``blocks`` is a ``[n, *layout.shape]`` tensor of the group's dtype, or one such block per key.
         The bytes are copied before this returns. A block no tier could take is simply not cached.
+        ``predecessors`` (aligned with ``keys``; ``None`` = a chain head or unknown) names the block
+        before each one in its prefix chain: chain-aware eviction (the default) then evicts a
+        chain's tail before its head, and file tiers keep the link across restarts.
         """
         await self.start()
         buffers = self._byte_blocks(keys, blocks, "blocks")
-        if hints is None:
-            hints = [InsertHint(position=i) for i in range(len(keys))]
+        hints = _chain_hints(keys, hints, predecessors)
         assert self._mutation is not None
         async with self._mutation:
             plan = self._plan_store(keys, hints)
@@ -910,6 +914,7 @@ class AsyncTieredCache:
         results = await _outcomes([
             self._safe_io(t, "put", [keys[i] for i in idx], [buffers[i] for i in idx]) for t, idx in writes])
         refused: BaseException | None = None  # a tier refused the caller's buffers (LayoutMismatch)
+        links: list[tuple[int, list[tuple[BlockKey, BlockKey]]]] = []
         with self._index_lock:
             for t, idx in enumerate(plan.writes):
                 missing = [i for i in idx if buffers[i] is None]
@@ -929,10 +934,14 @@ class AsyncTieredCache:
                     else:
                         self._activity[t].failed_stores += 1
                 self._changed(keys[i] for i in idx)
+                links.append((t, self._links_of(t, [keys[i] for i, ok in zip(idx, res, strict=True) if ok])))
             if planned:
                 self._report_removed((k for moves in plan.demotions for k, _ in moves), copied)
             else:
                 self._report_removed((k for drops in plan.drops for k in drops), copied)
+        for t, written in links:  # outside the index lock: a file append must not stall lease()
+            if written:
+                self.tiers[t].record_links(written)
         for t, tier in enumerate(self.tiers):
             if tier.capacity_version != self._capacity_seen[t]:
                 await self._follow_capacity(t)
@@ -992,7 +1001,16 @@ class AsyncTieredCache:
                     else:
                         self._activity[dst].failed_stores += 1
                 self._changed(keys[i] for i in idx)
+                written = self._links_of(dst, [keys[i] for i, ok in zip(idx, res, strict=True) if ok])
+            if written:  # outside the index lock: a file append must not stall lease()
+                self.tiers[dst].record_links(written)
         return copied
+
+    def _links_of(self, t: int, keys: Sequence[BlockKey]) -> list[tuple[BlockKey, BlockKey]]:
+        """(key, predecessor) of blocks just written to tier ``t``, for it to keep (a file tier persists
+        them); call under the index lock."""
+        hints = self.residency.tiers[t].hints
+        return [(k, p) for k in keys if (p := hints[k].predecessor if k in hints else None) is not None]
 
     async def _safe_io(self, t: int, op: str, keys: list[BlockKey], *args: Any) -> list[bool]:
         """Call a tier's batched op; an unexpected exception is logged, counted and becomes all-False."""
@@ -1048,6 +1066,25 @@ def _run_now(coro: Coroutine[Any, Any, T]) -> T:
         return cast("T", done.value)
     coro.close()
     raise RuntimeError("a tier call run on the caller's thread waited; only CPU tiers may run there")
+
+
+def _chain_hints(keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None,
+                 predecessors: Sequence[BlockKey | None] | None) -> Sequence[InsertHint]:
+    """Insert hints for a store: given, or positions in the call; predecessors folded in, checked."""
+    if hints is not None and len(hints) != len(keys):
+        raise ValueError(f"hints has {len(hints)} entries for {len(keys)} keys")
+    if predecessors is None:
+        return hints if hints is not None else [InsertHint(position=i) for i in range(len(keys))]
+    if isinstance(predecessors, (str, bytes)) or len(predecessors) != len(keys):
+        raise ValueError(f"predecessors must be a sequence of BlockKey or None aligned with keys "
+                         f"({len(keys)} keys), got {_length(predecessors)} entries")
+    out = []
+    for i, pred in enumerate(predecessors):
+        if pred is not None and not isinstance(pred, BlockKey):
+            raise TypeError(f"predecessors[{i}] must be a BlockKey or None, got {type(pred).__name__}")
+        hint = hints[i] if hints is not None else InsertHint(position=i)
+        out.append(hint._replace(predecessor=pred))
+    return out
 
 
 def _check_device(blocks: torch.Tensor, what: str) -> None:
@@ -1166,18 +1203,19 @@ class TieredCache:
         """See :meth:`AsyncTieredCache.load`."""
         return self._call(self.core.load(keys, out))
 
-    def store(self, keys: Sequence[BlockKey], blocks: Blocks, hints: Sequence[InsertHint] | None = None) -> int:
+    def store(self, keys: Sequence[BlockKey], blocks: Blocks, hints: Sequence[InsertHint] | None = None,
+              predecessors: Sequence[BlockKey | None] | None = None) -> int:
         """See :meth:`AsyncTieredCache.store`."""
-        return self._call(self.core.store(keys, blocks, hints))
+        return self._call(self.core.store(keys, blocks, hints, predecessors))
 
     def submit_load(self, keys: Sequence[BlockKey], out: Blocks) -> concurrent.futures.Future[int]:
         """Start a load; ``out`` must stay untouched until the future is done."""
         return self._submit(self.core.load(keys, out))
 
-    def submit_store(self, keys: Sequence[BlockKey], blocks: Blocks,
-                     hints: Sequence[InsertHint] | None = None) -> concurrent.futures.Future[int]:
+    def submit_store(self, keys: Sequence[BlockKey], blocks: Blocks, hints: Sequence[InsertHint] | None = None,
+                     predecessors: Sequence[BlockKey | None] | None = None) -> concurrent.futures.Future[int]:
         """Start a store; ``blocks`` must stay unchanged until the future is done."""
-        return self._submit(self.core.store(keys, blocks, hints))
+        return self._submit(self.core.store(keys, blocks, hints, predecessors))
 
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
         """See :meth:`AsyncTieredCache.lease` (thread-safe; runs on the caller's thread)."""

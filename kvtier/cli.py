@@ -233,6 +233,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return 1
         console.print(f"[green]bit-exact[/green]: all {result.blocks_verified} loaded blocks matched what was "
                       f"stored, byte for byte")
+        for trace_path in args.trace:
+            if (code := _demo_policies(trace_path, args.plot_dir)) != 0:
+                return code
         return 0
     finally:
         if temporary:
@@ -257,6 +260,36 @@ def place_file_tiers(config: dict[str, Any], directory: Path) -> dict[str, Any]:
             t = {**t, "path": str(directory / name)}
         moved.append(t)
     return {**config, "tiers": moved}
+
+
+def _demo_policies(trace_path: str, plot_dir: str | None) -> int:
+    """The eviction-policy table of one trace (the default beside LRU, ARC, SIEVE, leaf-first LRU and
+    both ceilings, at 1-25 % of its distinct blocks), and its plot when ``plot_dir`` is given."""
+    from kvtier.demo import DEMO_POLICIES, POLICY_CAPACITIES
+    from kvtier.replay import (
+        TraceFormatError,
+        parse_capacity,
+        plan_runs,
+        plot_results,
+        read_trace,
+        results_table,
+        run_all,
+    )
+
+    try:
+        trace = read_trace(trace_path)
+    except (TraceFormatError, ValueError) as exc:
+        console.print(f"[red]bad trace[/red] {exc}")
+        return 2
+    capacities = [parse_capacity(c, trace.distinct_blocks) for c in POLICY_CAPACITIES]
+    console.print(f"replaying {trace.name} through {', '.join(DEMO_POLICIES)} and the ceilings "
+                  f"(a few minutes for a long trace) ...")
+    results = run_all(trace, plan_runs(DEMO_POLICIES, capacities), lambda n: None)
+    Console(width=max(console.width, 170)).print(results_table(trace, results))
+    if plot_dir:
+        path = plot_results(trace, results, Path(plot_dir) / f"policies_{Path(trace_path).stem}.png")
+        console.print(f"plot written to {path}")
+    return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -420,6 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--turn-tokens", type=positive_int, default=128)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument("--trace", nargs="*", default=[], metavar="TRACE",
+                      help="then replay each trace (Mooncake or generic JSONL) through the eviction policies and "
+                           "print their table (e.g. ../shared/traces/*.jsonl)")
+    demo.add_argument("--plot-dir", help="with --trace: write each trace's plot there")
     demo.set_defaults(func=cmd_demo)
 
     check = sub.add_parser("check", help="validate a config and print the resolved tiers")

@@ -20,8 +20,8 @@ from kvtier.policy import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvtier.policy.admission import ADMISSION_POLICIES, make_admission_policy
 from kvtier.policy.placement import PlacementPolicy
 from kvtier.replay import (
+    CEILINGS,
     DEFAULT_BYTES_PER_TOKEN,
-    MIN_POLICY,
     TraceFormatError,
     check_plot_target,
     parse_capacity,
@@ -55,7 +55,7 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="multi-tier capacities, top tier first (e.g. 1%%,10%%); each value is one hierarchy")
     p.add_argument("--policy", nargs="+", default=["default"], metavar="NAME",
                    help=f"eviction policies: {', '.join(policies)}, or 'default' ({DEFAULT_EVICTION}); "
-                        f"lru and min are always added")
+                        f"lru and the ceilings min and belady are always added")
     p.add_argument("--write-mode", choices=["write_back", "write_through"], default="write_back",
                    help="multi-tier: demote on eviction (write_back) or write every tier (write_through)")
     p.add_argument("--no-promote", action="store_true", help="multi-tier: leave lower-tier hits where they are")
@@ -69,7 +69,7 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--bytes-per-token", type=int, default=DEFAULT_BYTES_PER_TOKEN,
                    help="KV bytes per token for the bytes columns (default: Llama-3-8B bf16, 128 KiB)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--no-min", action="store_true", help="skip Belady's MIN (it is the slowest run)")
+    p.add_argument("--no-min", action="store_true", help="skip the ceilings min and belady (MIN is the slowest run)")
     p.add_argument("--plot", metavar="FILE", help="draw hit ratio against capacity per policy (PNG, SVG, PDF)")
     p.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -116,7 +116,7 @@ def run_replay(args: argparse.Namespace) -> int:
             err.print(f"[red]--plot[/red] {escape(str(exc))}", soft_wrap=True)
             return 2
     for name in args.policy:
-        if name not in EVICTION_POLICIES and name not in ("default", MIN_POLICY):
+        if name not in EVICTION_POLICIES and name not in ("default", *CEILINGS):
             err.print(f"[red]unknown policy[/red] {escape(repr(name))}; known: {', '.join(sorted(EVICTION_POLICIES))}, default", soft_wrap=True)
             return 2
     try:
@@ -166,7 +166,9 @@ def run_replay(args: argparse.Namespace) -> int:
         out = Console(width=max(Console().width, 150))
         out.print(results_table(trace, results))
         out.print(f"default policy: [bold]{DEFAULT_EVICTION}[/bold]; prefix-hit tokens = input tokens of the "
-                  f"leading cached blocks of each request / all input tokens")
+                  f"leading cached blocks of each request / all input tokens; min = Belady's MIN under the "
+                  f"replay's rules (every miss stored; the ceiling gap-closed figures use), belady = Belady "
+                  f"with bypass (block-hit optimum)")
     if args.plot:
         path = plot_results(trace, results, args.plot)
         (err if args.json else Console()).print(f"plot written to {escape(str(path))}")

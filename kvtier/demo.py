@@ -36,6 +36,11 @@ LLAMA_8B_MODEL = {"name": "llama-3.1-8b-demo", "num_layers": 32, "num_kv_heads":
                   "dtype": "float16"}
 
 
+#: What ``kvtier demo --trace`` compares (LRU and the ceilings are always added), and where.
+DEMO_POLICIES = ["arc", "sieve", "leaf_lru", "default"]
+POLICY_CAPACITIES = ["1%", "2%", "5%", "10%", "25%"]
+
+
 def default_config(workdir: Path) -> dict[str, Any]:
     """The embedded default: a CPU tier and a file tier under ``workdir``, sized to this machine."""
     avail = available_memory() or 4 << 30
@@ -46,9 +51,9 @@ def default_config(workdir: Path) -> dict[str, Any]:
         "model": dict(LLAMA_8B_MODEL),
         "hash_block_size": 16,
         "tiers": [
-            {"type": "cpu", "name": "cpu", "capacity": cpu, "eviction": "lru"},
+            {"type": "cpu", "name": "cpu", "capacity": cpu, "eviction": "default"},
             {"type": "file", "name": "nvme", "path": str(workdir / "kvtier-files"), "capacity": disk,
-             "eviction": "lru"},
+             "eviction": "default"},
         ],
         "placement": {"write_mode": "write_back", "promote_on_hit": True},
     }
@@ -137,7 +142,8 @@ def run_demo(cache: TieredCache, prompts: list[np.ndarray], progress: Any = None
         new = keys[loaded:]
         if new:
             oracle.fill(new, staging[:len(new)])
-            result.blocks_stored += cache.store(new, staging[:len(new)])
+            chain = [keys[i - 1] if i else None for i in range(loaded, len(keys))]  # hashes are chained
+            result.blocks_stored += cache.store(new, staging[:len(new)], predecessors=chain)
         result.requests += 1
         result.prompt_tokens += len(prompt)
         result.hit_tokens += loaded * layout.block_size

@@ -7,8 +7,20 @@ cache does: look up the leading cached blocks, touch (and maybe promote) them, a
 Plans are "executed" against nothing: every write and demotion succeeds and is counted. No bytes
 move, so a trace of hundreds of thousands of block references replays in about a second.
 
-Beside every policy it replays LRU and Belady's MIN (:mod:`kvtier.policy.belady`), scored the same
-way, so each number has its baseline and its ceiling next to it.
+Beside every policy it replays LRU and two ceilings, scored the same way, so each number has its
+baseline and its ceilings next to it:
+
+* ``min`` — Belady's MIN under the replay's own rules (:mod:`kvtier.policy.belady`): every miss is
+  stored and the request's own pending blocks are never evicted. This is the ceiling of any policy
+  the cache can run, and the one "gap closed" figures are measured against.
+* ``belady`` — Belady with bypass (:func:`belady_bypass`): per block reference, a miss is cached only
+  if it is needed again before the farthest resident block. It maximises block hits; with long
+  requests it is well above ``min``, and no eviction policy can reach it (the cache stores what
+  the engine computed).
+
+Chains: block *j* of a request is stored with block *j−1* as its predecessor
+(:attr:`~kvtier.policy.base.InsertHint.predecessor`), in both formats — Mooncake's hash ids and the
+engines' block hashes are chained the same way — so chain-aware policies see what the cache sees.
 
 Trace formats (JSON Lines, one request per line, blank lines ignored):
 
@@ -27,6 +39,7 @@ Not here: the command line (:mod:`kvtier.cli_replay`), the policies themselves.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
 import time
@@ -37,7 +50,7 @@ from typing import Any, TypeGuard
 
 from kvtier.blocks import BlockKey
 from kvtier.errors import KVTierError
-from kvtier.policy import DEFAULT_EVICTION, InsertHint
+from kvtier.policy import DEFAULT_EVICTION, EvictionPolicy, InsertHint
 from kvtier.policy.admission import AdmitAll
 from kvtier.policy.belady import NEVER, BeladyPolicy
 from kvtier.policy.placement import PlacementPolicy
@@ -49,6 +62,9 @@ MOONCAKE_BLOCK_TOKENS = 512
 #: for turning block counts into bytes.
 DEFAULT_BYTES_PER_TOKEN = 131072
 MIN_POLICY = "min"
+#: Belady with bypass, per block reference: the block-hit ceiling no admit-every-miss cache reaches.
+BELADY_POLICY = "belady"
+CEILINGS = (MIN_POLICY, BELADY_POLICY)
 
 
 class TraceFormatError(KVTierError, ValueError):
@@ -296,13 +312,16 @@ ProgressFn = Callable[[int], None]
 
 def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: PlacementPolicy | None = None,
            *, bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN, progress: ProgressFn | None = None,
-           future: list[int] | None = None) -> ReplayResult:
+           future: list[int] | None = None,
+           make_policy: Callable[[], EvictionPolicy] | None = None) -> ReplayResult:
     """Replay ``trace`` through tiers of ``capacities`` blocks (top first) under one eviction policy.
 
     ``policy`` is an eviction policy name (``default`` = :data:`DEFAULT_EVICTION`) used in every
-    tier, or ``min`` for Belady's MIN (one tier only; ``future`` may pass :func:`next_uses` to save
-    recomputing it). ``placement`` defaults to write-back, admit-all, promote-to-top.
-    ``progress`` is called with the number of block references done so far, every few hundred
+    tier, ``min`` for Belady's MIN under these rules or ``belady`` for Belady with bypass (both one
+    tier only; ``future`` may pass :func:`next_uses` to save recomputing it). ``placement`` defaults to write-back, admit-all, promote-to-top.
+    ``make_policy`` builds each tier's policy object instead of the factory (to inspect it after;
+    ``policy`` is then only its label). ``progress`` is called with the number of block references
+    done so far, every few hundred
     requests. Per request, as the cache does it: the leading cached blocks are hits (touched, and
     promoted per the placement); the remaining blocks are stored (those still cached somewhere
     only touched); every planned write and demotion then succeeds. A block *hit* is a block cached
@@ -312,6 +331,10 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
         policy = DEFAULT_EVICTION
     if not capacities or any(c <= 0 for c in capacities):
         raise ValueError(f"capacities must be positive block counts, got {list(capacities)}")
+    if policy == BELADY_POLICY:
+        if len(capacities) != 1:
+            raise ValueError("Belady with bypass is defined for one tier; replay it at the total capacity")
+        return belady_bypass(trace, capacities[0], future=future, bytes_per_token=bytes_per_token)
     num_tiers = len(capacities)
     if placement is None:
         placement = PlacementPolicy([AdmitAll() for _ in range(num_tiers)])
@@ -326,13 +349,13 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
         if future is None:
             future = next_uses(trace)
     else:
-        indexes = [TierIndex(f"tier{t}", {0: cap}, {0: 1}, policy) for t, cap in enumerate(capacities)]
+        indexes = [TierIndex(f"tier{t}", {0: cap}, {0: 1}, policy,
+                             policies=None if make_policy is None else {0: make_policy()})
+                   for t, cap in enumerate(capacities)]
     residency = Residency(indexes, placement)
     tiers = [TierResult(index.name, cap) for index, cap in zip(indexes, capacities, strict=True)]
     hits_in = [0] * num_tiers
     block_tokens = trace.block_tokens
-    longest = max((len(r) for r in trace.requests), default=0)
-    hints = [InsertHint(position=j) for j in range(longest)]
 
     locate_prefix = residency.locate_prefix
     locate = residency.locate
@@ -364,7 +387,7 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
             else:
                 for t in found:
                     hits_in[t] += 1
-                _promote(residency, keys, found, hints, tiers, should_promote)
+                _promote(residency, keys, found, tiers, should_promote)
             prefix_tokens += k0 * block_tokens if k0 < n else trace.tokens[r]
         if k0 < n:
             rest = keys[k0:] if k0 else keys
@@ -373,7 +396,7 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
                 for j in range(k0 + 1, n):
                     if entries0.get(keys[j]) == READY:
                         block_hits += 1
-                plan = plan_store(rest, hints[k0:n])
+                plan = plan_store(rest, chain_hints(keys, k0, n))
                 evicted0 += len(plan.drops[0])
                 writes = plan.writes[0]
                 written0 += len(writes)
@@ -381,7 +404,7 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
                     finish_write(0, rest[i], True)
             else:
                 block_hits += k0 + sum(1 for key in rest[1:] if locate(key) is not None)
-                plan = plan_store(rest, hints[k0:n])
+                plan = plan_store(rest, chain_hints(keys, k0, n))
                 _execute(plan, rest, tiers, finish_write, finish_demotion)
         else:
             block_hits += k0
@@ -419,7 +442,12 @@ def _execute(plan: Any, keys: Sequence[BlockKey], tiers: list[TierResult],
             finish_write(t, keys[i], True)
 
 
-def _promote(residency: Residency, keys: Sequence[BlockKey], found: Sequence[int], hints: Sequence[InsertHint],
+def chain_hints(keys: Sequence[BlockKey], start: int, stop: int) -> list[InsertHint]:
+    """Insert hints for ``keys[start:stop]`` of one request: position, and the previous block as predecessor."""
+    return [InsertHint(j, -1, keys[j - 1] if j else None) for j in range(start, stop)]
+
+
+def _promote(residency: Residency, keys: Sequence[BlockKey], found: Sequence[int],
              tiers: list[TierResult], should_promote: Callable[[int], bool]) -> None:
     """Copy lower-tier hits up as the cache does (from the loaded bytes: no extra read)."""
     todo = [j for j, t in enumerate(found) if should_promote(t)]
@@ -428,7 +456,8 @@ def _promote(residency: Residency, keys: Sequence[BlockKey], found: Sequence[int
     placement = residency.placement
     target = placement.promote_to
     sub = [keys[j] for j in todo]
-    plan = residency.plan_store(sub, [hints[j] for j in todo], only_tier=target)
+    plan = residency.plan_store(sub, [InsertHint(j, -1, keys[j - 1] if j else None) for j in todo],
+                                only_tier=target)
     _execute(plan, sub, tiers, residency.finish_write, residency.finish_demotion)
     tiers[target].promoted_in += len(plan.writes[target])
     if not placement.keep_lower_copy:
@@ -436,10 +465,71 @@ def _promote(residency: Residency, keys: Sequence[BlockKey], found: Sequence[int
             residency.tiers[found[todo[i]]].discard(sub[i])
 
 
+def belady_bypass(trace: Trace, capacity: int, *, future: list[int] | None = None,
+                  bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN) -> ReplayResult:
+    """Belady's MIN with bypass over the flattened block references, in ``capacity`` blocks.
+
+    A reference to a cached block is a hit; a missing block is cached only if it is referenced
+    again, evicting the cached block referenced farthest in the future when that is later than its
+    own next reference — otherwise it bypasses the cache. This is the block-hit optimum of a
+    single tier; a request's prefix hit is its leading run of hits, so the prefix figure is what
+    this schedule gets, not a prefix-hit optimum.
+    """
+    if capacity <= 0:
+        raise ValueError(f"capacity must be a positive block count, got {capacity}")
+    if future is None:
+        future = next_uses(trace)
+    cached: dict[BlockKey, int] = {}  # key -> its next reference
+    heap: list[tuple[int, BlockKey]] = []  # (-next reference, key); stale entries skipped
+    heappush, heappop = heapq.heappush, heapq.heappop
+    block_hits = prefix_tokens = written = evicted = 0
+    i = 0
+    block_tokens = trace.block_tokens
+    started = time.perf_counter()
+    for r, keys in enumerate(trace.requests):
+        leading = True
+        k0 = 0
+        for key in keys:
+            nxt = future[i]
+            i += 1
+            if key in cached:
+                block_hits += 1
+                if leading:
+                    k0 += 1
+            else:
+                leading = False
+                if nxt == NEVER:
+                    continue
+                if len(cached) >= capacity:
+                    while heap and cached.get(heap[0][1]) != -heap[0][0]:
+                        heappop(heap)
+                    if -heap[0][0] <= nxt:
+                        continue  # every cached block is needed sooner: bypass
+                    del cached[heappop(heap)[1]]
+                    evicted += 1
+                written += 1
+            if nxt == NEVER:
+                del cached[key]
+            else:
+                cached[key] = nxt
+                heappush(heap, (-nxt, key))
+                if len(heap) > 2 * len(cached) + 64:
+                    heap = [(-n, k) for k, n in cached.items()]
+                    heapq.heapify(heap)
+        if k0:
+            prefix_tokens += k0 * block_tokens if k0 < len(keys) else trace.tokens[r]
+    seconds = time.perf_counter() - started
+    tier = TierResult("tier0", capacity, hits=block_hits, written=written, read=block_hits, evicted=evicted)
+    return ReplayResult(policy=BELADY_POLICY, capacities=[capacity], references=i, block_hits=block_hits,
+                        prefix_hit_tokens=prefix_tokens, input_tokens=trace.input_tokens, seconds=seconds,
+                        block_bytes=block_tokens * bytes_per_token, tiers=[tier])
+
+
 def gap_closed(result: ReplayResult, baseline: ReplayResult, ceiling: ReplayResult) -> float | None:
-    """Share of the prefix-hit gap between a baseline and MIN that ``result`` closes (None: no gap)."""
+    """Share of the prefix-hit gap between a baseline and MIN that ``result`` closes (None: no gap, or one
+    under 0.0005 — a share of nothing is noise)."""
     gap = ceiling.prefix_hit_ratio - baseline.prefix_hit_ratio
-    if gap <= 1e-12:
+    if gap < 5e-4:
         return None
     return (result.prefix_hit_ratio - baseline.prefix_hit_ratio) / gap
 
@@ -457,22 +547,22 @@ class RunSpec:
 
 def plan_runs(policies: Sequence[str], capacities: Sequence[int], tier_sets: Sequence[Sequence[int]] = (),
               *, with_min: bool = True) -> list[RunSpec]:
-    """LRU, the requested policies and MIN at each single-tier capacity, then each multi-tier set
-    (MIN at its total capacity: the ceiling of any hierarchy that size)."""
+    """LRU, the requested policies and both ceilings (``min``, ``belady``) at each single-tier
+    capacity, then each multi-tier set (ceilings at its total capacity: those of any hierarchy that size)."""
     names: list[str] = ["lru"]
     for p in policies:
         p = DEFAULT_EVICTION if p == "default" else p
-        if p not in names and p != MIN_POLICY:
+        if p not in names and p not in CEILINGS:
             names.append(p)
     runs: list[RunSpec] = []
     for cap in capacities:
         runs.extend(RunSpec(p, (cap,)) for p in names)
         if with_min:
-            runs.append(RunSpec(MIN_POLICY, (cap,)))
+            runs.extend(RunSpec(c, (cap,)) for c in CEILINGS)
     for caps in tier_sets:
         runs.extend(RunSpec(p, tuple(caps)) for p in names)
         if with_min and (sum(caps),) not in {r.capacities for r in runs if r.policy == MIN_POLICY}:
-            runs.append(RunSpec(MIN_POLICY, (sum(caps),)))
+            runs.extend(RunSpec(c, (sum(caps),)) for c in CEILINGS)
     return runs
 
 
@@ -483,12 +573,12 @@ def run_all(trace: Trace, runs: Sequence[RunSpec], placement: Callable[[int], Pl
 
     ``progress(references_done_in_this_run, label)`` is called as runs advance.
     """
-    future = next_uses(trace) if any(r.policy == MIN_POLICY for r in runs) else None
+    future = next_uses(trace) if any(r.policy in CEILINGS for r in runs) else None
     results = []
     for run in runs:
         label = f"{run.policy} @ {'+'.join(map(str, run.capacities))}"
         tick = (lambda done, label=label: progress(done, label)) if progress is not None else None
-        rules = None if run.policy == MIN_POLICY or len(run.capacities) == 1 else placement(len(run.capacities))
+        rules = None if run.policy in CEILINGS or len(run.capacities) == 1 else placement(len(run.capacities))
         results.append(replay(trace, run.policy, run.capacities, rules, bytes_per_token=bytes_per_token,
                               progress=tick, future=future))
     return results
@@ -496,7 +586,7 @@ def run_all(trace: Trace, runs: Sequence[RunSpec], placement: Callable[[int], Pl
 
 def _baselines(results: Sequence[ReplayResult], result: ReplayResult) -> tuple[ReplayResult | None,
                                                                                ReplayResult | None]:
-    """The better of LRU/ARC with ``result``'s tier capacities, and MIN at its total capacity."""
+    """The better of LRU/ARC with ``result``'s tier capacities, and MIN (replay rules) at its total capacity."""
     best = ceiling = None
     for r in results:
         if r.policy == MIN_POLICY and r.capacities == [result.total_capacity]:
@@ -508,8 +598,9 @@ def _baselines(results: Sequence[ReplayResult], result: ReplayResult) -> tuple[R
 
 
 def _closed(results: Sequence[ReplayResult], result: ReplayResult) -> tuple[float | None, str | None]:
-    """Share of the gap between the better of LRU/ARC and MIN that ``result`` closes, and that baseline."""
-    if result.policy in ("lru", "arc", MIN_POLICY):
+    """Share of the gap between the better of LRU/ARC and ``min`` (the replay-rules MIN, the ceiling
+    of any policy the cache can run) that ``result`` closes, and that baseline."""
+    if result.policy in ("lru", "arc", *CEILINGS):
         return None, None
     best, ceiling = _baselines(results, result)
     if best is None or ceiling is None:
@@ -539,7 +630,7 @@ def results_table(trace: Trace, results: Sequence[ReplayResult]) -> Any:
     table.add_column("block hit", justify="right")
     table.add_column("prefix-hit tokens", justify="right")
     table.add_column("vs LRU", justify="right")
-    table.add_column("gap to MIN closed", justify="right")
+    table.add_column("gap to min closed", justify="right")
     if multi:
         table.add_column("hits per tier", justify="right")
     table.add_column("written per tier", justify="right")
@@ -562,7 +653,7 @@ def results_table(trace: Trace, results: Sequence[ReplayResult]) -> Any:
         row.append(" / ".join(_size(t.written * r.block_bytes) for t in r.tiers))
         row.append(" / ".join(_size(t.read * r.block_bytes) for t in r.tiers))
         row.append(f"{r.refs_per_second / 1000:,.0f}k")
-        table.add_row(*row, style="dim" if r.policy == MIN_POLICY else None)
+        table.add_row(*row, style="dim" if r.policy in CEILINGS else None)
     return table
 
 
@@ -573,6 +664,7 @@ def results_json(trace: Trace, results: Sequence[ReplayResult]) -> dict[str, Any
         item = r.to_dict()
         item["capacity_share"] = [c / max(1, trace.distinct_blocks) for c in r.capacities]
         item["gap_closed"], item["gap_baseline"] = _closed(results, r)
+        item["gap_ceiling"] = MIN_POLICY if item["gap_closed"] is not None else None
         out.append(item)
     return {"trace": trace.summary(), "default_policy": DEFAULT_EVICTION, "results": out}
 
@@ -625,9 +717,11 @@ def plot_results(trace: Trace, results: Sequence[ReplayResult], path: str | Path
             points = sorted((100 * r.total_capacity / max(1, trace.distinct_blocks), getattr(r, attr))
                             for r in shown if r.policy == policy)
             xs, ys = zip(*points, strict=True)
-            style = {"color": "black", "linestyle": "--"} if policy == MIN_POLICY else {}
+            style = ({"color": "black", "linestyle": "--"} if policy == MIN_POLICY else
+                     {"color": "grey", "linestyle": ":"} if policy == BELADY_POLICY else {})
             name = f"{policy} (default)" if policy == DEFAULT_EVICTION else policy
-            ax.plot(xs, ys, marker="o", label="Belady MIN" if policy == MIN_POLICY else name, **style)
+            name = {MIN_POLICY: "MIN (replay rules)", BELADY_POLICY: "Belady with bypass"}.get(policy, name)
+            ax.plot(xs, ys, marker="o", label=name, **style)
         ax.set_xscale("log")
         shares = sorted({100 * r.total_capacity / max(1, trace.distinct_blocks) for r in shown})
         ax.set_xticks(shares, [f"{x:.3g}" for x in shares])

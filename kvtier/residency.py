@@ -20,6 +20,7 @@ from kvtier.policy.placement import PlacementPolicy
 
 PENDING = 0
 READY = 1
+_NO_HINT = InsertHint()
 
 
 class TierIndex:
@@ -42,6 +43,8 @@ class TierIndex:
             else {g: make_eviction_policy(eviction) for g in self.block_bytes})
         self.entries: dict[BlockKey, int] = {}
         self.pins: dict[BlockKey, int] = {}
+        #: Insert hints of entries that carry a chain link, so a demoted block keeps its chain below.
+        self.hints: dict[BlockKey, InsertHint] = {}
 
     def __contains__(self, key: object) -> bool:
         return key in self.entries
@@ -69,6 +72,8 @@ class TierIndex:
             return
         self.entries[key] = READY if ready else PENDING
         self.used[key.group_id] += self.block_bytes[key.group_id]
+        if hint.predecessor is not None:
+            self.hints[key] = hint
         self.policies[key.group_id].insert(key, hint)
         if not ready:
             self.pin(key)
@@ -88,6 +93,7 @@ class TierIndex:
         if self.entries.pop(key, None) is None:
             return False
         self.used[key.group_id] -= self.block_bytes[key.group_id]
+        self.hints.pop(key, None)
         self.policies[key.group_id].remove(key)
         return True
 
@@ -102,6 +108,10 @@ class TierIndex:
         count = -(-need // per_block)
         victims = self.policies[group_id].victims(count, self.pins)
         return victims if len(victims) == count else None
+
+    def hint(self, key: BlockKey) -> InsertHint:
+        """The chain hint ``key`` was stored with (a default hint when it carried no predecessor)."""
+        return self.hints.get(key, _NO_HINT)
 
     def usage(self) -> int:
         return sum(self.used.values())
@@ -215,15 +225,16 @@ class Residency:
         write_back = self.placement.write_mode == "write_back" and t + 1 < len(self.tiers)  # a tier below
         drops = plan.drops[t]
         for victim in victims:
+            hint = index.hint(victim)
             index.discard(victim)
-            dst = self._demotion_target(t, victim, plan) if write_back else None
+            dst = self._demotion_target(t, victim, hint, plan) if write_back else None
             if dst is not None:
                 index.pin(victim)  # read by the demotion copy before it is dropped
                 plan.demotions[t].append((victim, dst))
             drops.append(victim)
         return True
 
-    def _demotion_target(self, t: int, key: BlockKey, plan: Plan) -> int | None:
+    def _demotion_target(self, t: int, key: BlockKey, hint: InsertHint, plan: Plan) -> int | None:
         if self.placement.write_mode != "write_back":
             return None
         for u in range(t + 1, len(self.tiers)):
@@ -235,7 +246,7 @@ class Residency:
             if not lower.fits(key.group_id) or not self.placement.admission[u].admit(key):
                 continue
             if self._make_room(u, key.group_id, plan):
-                lower.add(key, InsertHint(), ready=False)
+                lower.add(key, hint, ready=False)  # the chain link travels with the block
                 return u
         return None
 

@@ -37,6 +37,21 @@ tiers:
     assert "demoted" in out
 
 
+def test_demo_shows_the_policy_table_and_plot_of_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text("""
+model: {name: tiny, num_layers: 2, num_kv_heads: 2, head_dim: 64}
+tiers:
+  - {type: cpu, capacity: 128KiB}
+""")
+    trace = REPO / "tests" / "fixtures" / "mooncake_slice.jsonl"
+    assert main(["demo", "--quiet", "--config", str(config), "--conversations", "2", "--turns", "2",
+                 "--trace", str(trace), "--plot-dir", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    assert "leaf_lru" in out and "adaptive" in out and "belady" in out and "gap to min closed" in out
+    assert (tmp_path / "plots" / "policies_mooncake_slice.png").stat().st_size > 10_000
+
+
 @pytest.mark.parametrize("example", sorted((REPO / "examples").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_every_example_config_checks(example: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", str(example)]) == 0, capsys.readouterr().out

@@ -6,10 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvtier.blocks import BlockKey
 from kvtier.cli import main
-from kvtier.policy import EVICTION_POLICIES
+from kvtier.policy import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvtier.replay import (
+    Trace,
     TraceFormatError,
     gap_closed,
     next_uses,
@@ -118,12 +122,14 @@ def test_capacities() -> None:
             parse_capacity(bad, 100)
 
 
-def test_runs_always_include_lru_and_min() -> None:
+def test_runs_always_include_lru_and_both_ceilings() -> None:
     runs = plan_runs(["arc", "default"], [10, 20], [[5, 15]])
-    assert [(r.policy, r.capacities) for r in runs][:4] == [("lru", (10,)), ("arc", (10,)),
-                                                            ("lifetime", (10,)), ("min", (10,))]
-    assert ("min", (20,)) in [(r.policy, r.capacities) for r in runs]  # the ceiling of 5+15
-    assert [r.policy for r in runs if r.capacities == (5, 15)] == ["lru", "arc", "lifetime"]
+    assert [(r.policy, r.capacities) for r in runs][:5] == [("lru", (10,)), ("arc", (10,)),
+                                                            (DEFAULT_EVICTION, (10,)), ("min", (10,)),
+                                                            ("belady", (10,))]
+    assert ("min", (20,)) in [(r.policy, r.capacities) for r in runs]  # the ceilings of 5+15
+    assert ("belady", (20,)) in [(r.policy, r.capacities) for r in runs]
+    assert [r.policy for r in runs if r.capacities == (5, 15)] == ["lru", "arc", DEFAULT_EVICTION]
 
 
 def test_next_uses_and_gap_closed() -> None:
@@ -136,14 +142,46 @@ def test_next_uses_and_gap_closed() -> None:
     assert gap_closed(ceiling, lru, ceiling) == 1.0
     doc = results_json(trace, results)
     assert doc["trace"]["block_references"] == 20
-    assert [r["policy"] for r in doc["results"]] == ["lru", "lifetime", "min"]
+    assert [r["policy"] for r in doc["results"]] == ["lru", "lifetime", "min", "belady"]
     assert doc["results"][0]["gap_closed"] is None and doc["results"][1]["gap_baseline"] == "lru"
+    assert doc["results"][1]["gap_ceiling"] == "min"
     assert default.references == 20
 
 
-def test_min_is_single_tier_only() -> None:
+def test_ceilings_are_single_tier_only() -> None:
     with pytest.raises(ValueError, match="one tier"):
         replay(read_trace(TINY), "min", [2, 4])
+    with pytest.raises(ValueError, match="one tier"):
+        replay(read_trace(TINY), "belady", [2, 4])
+
+
+def _brute_belady_bypass(flat: list[BlockKey], capacity: int) -> int:
+    """Block hits of Belady with bypass, by definition (quadratic)."""
+    cached: set[BlockKey] = set()
+    hits = 0
+    for i, key in enumerate(flat):
+        def next_use(k: BlockKey, after: int = i) -> float:
+            return next((j for j in range(after + 1, len(flat)) if flat[j] == k), float("inf"))
+        if key in cached:
+            hits += 1
+        else:
+            cached.add(key)
+        if next_use(key) == float("inf"):
+            cached.discard(key)
+        elif len(cached) > capacity:
+            cached.discard(max(cached, key=next_use))
+    return hits
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=5, unique=True), min_size=1, max_size=40),
+       st.integers(1, 6))
+def test_belady_with_bypass_is_the_block_hit_optimum(requests: list[list[int]], capacity: int) -> None:
+    keys = [BlockKey(i.to_bytes(8, "little"), 0) for i in range(13)]
+    trace = Trace("t", "synthetic", 16, [[keys[i] for i in r] for r in requests], [16 * len(r) for r in requests], 13)
+    bypass = replay(trace, "belady", [capacity])
+    assert bypass.block_hits == _brute_belady_bypass([k for r in trace.requests for k in r], capacity)
+    assert bypass.tiers[0].written <= bypass.references - bypass.block_hits  # a bypassed miss writes nothing
 
 
 def test_command_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -152,8 +190,8 @@ def test_command_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     doc = json.loads(capsys.readouterr().out)
     assert [(r["policy"], r["capacity_blocks"]) for r in doc["results"]] == [
-        ("lru", [4]), ("arc", [4]), ("lifetime", [4]), ("min", [4]),
-        ("lru", [4]), ("arc", [4]), ("lifetime", [4]), ("min", [4])]
+        ("lru", [4]), ("arc", [4]), (DEFAULT_EVICTION, [4]), ("min", [4]), ("belady", [4]),
+        ("lru", [4]), ("arc", [4]), (DEFAULT_EVICTION, [4]), ("min", [4]), ("belady", [4])]
     assert doc["results"][0]["block_hit_ratio"] == 0.4
 
 

@@ -186,7 +186,8 @@ class HFPrefixCache:
         if full <= start_block:
             return 0
         blocks = self._pack(kv_cache, start_block, full)
-        return self.cache.store(keys[start_block:full], blocks)
+        predecessors = [keys[j - 1] if j else None for j in range(start_block, full)]  # keys are chained
+        return self.cache.store(keys[start_block:full], blocks, predecessors=predecessors)
 
     # --- internals ----------------------------------------------------------------------------------------
     def _prompt(self, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:

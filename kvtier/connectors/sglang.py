@@ -312,7 +312,11 @@ class _KVTierHiCache:
             return [True] * len(keys)  # MLA: the writer rank stores the same bytes once
         block_keys = [self._block_keys(key, geometry) for key in keys]
         flat_keys = [k for page in block_keys for k in page]
-        stored = cache.store(flat_keys, [b for page in blocks for b in page])
+        # SGLang backs up a radix node's pages in order, their keys chained: each component block's
+        # predecessor is the same component of the page before (the batch's first page: unknown)
+        predecessors = [block_keys[i - 1][c] if i else None
+                        for i, page in enumerate(block_keys) for c in range(len(page))]
+        stored = cache.store(flat_keys, [b for page in blocks for b in page], predecessors=predecessors)
         if stored == len(flat_keys):
             return [True] * len(keys)
         return [cache.lookup(page) == len(page) for page in block_keys]

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvtier.policy.adaptive import AdaptiveChainPolicy
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.base import EvictionPolicy, InsertHint
+from kvtier.policy.chains import LeafLRUPolicy
 from kvtier.policy.lifetime import LearnedLifetimePolicy
 from kvtier.policy.lru import LRUPolicy
 from kvtier.policy.prefix import PrefixAwarePolicy
@@ -24,10 +26,12 @@ EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "tinylfu": WTinyLFUPolicy,
     "prefix": PrefixAwarePolicy,
     "lifetime": LearnedLifetimePolicy,
+    "leaf_lru": LeafLRUPolicy,
+    "adaptive": AdaptiveChainPolicy,
 }
 
 #: The policy used when a tier's config names none.
-DEFAULT_EVICTION = "lifetime"
+DEFAULT_EVICTION = "adaptive"
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:
@@ -44,6 +48,6 @@ def make_eviction_policy(name: str) -> EvictionPolicy:
     return factory()
 
 
-__all__ = ["DEFAULT_EVICTION", "EVICTION_POLICIES", "ARCPolicy", "EvictionPolicy", "InsertHint",
-           "LRUPolicy", "LearnedLifetimePolicy", "PrefixAwarePolicy", "SievePolicy", "WTinyLFUPolicy",
+__all__ = ["DEFAULT_EVICTION", "EVICTION_POLICIES", "ARCPolicy", "AdaptiveChainPolicy", "EvictionPolicy", "InsertHint",
+           "LRUPolicy", "LeafLRUPolicy", "LearnedLifetimePolicy", "PrefixAwarePolicy", "SievePolicy", "WTinyLFUPolicy",
            "make_eviction_policy"]

@@ -20,10 +20,15 @@ class InsertHint(NamedTuple):
 
     ``position`` is the block's index in its request's chain (0 = first block after nothing): a block
     is only useful if all blocks before it are cached too, so prefix-aware policies evict tails first.
+    ``predecessor`` is the key of the block before it in its chain (``None``: a chain head, or not
+    known). Engines chain their block hashes, so the caller usually knows it; chain-aware policies
+    (:mod:`kvtier.policy.chains`) use it to evict a chain's tail before its head. It may be wrong
+    (a cycle, a parent never stored): policies must treat it as advice, never fail on it.
     """
 
     position: int = 0
     request_id: int = -1
+    predecessor: BlockKey | None = None
 
 
 class EvictionPolicy(ABC):

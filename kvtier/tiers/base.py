@@ -116,6 +116,13 @@ class Tier(ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook, memory tiers hold nothing to release
         """Release resources; further calls are undefined."""
 
+    def chain_links(self) -> dict[BlockKey, BlockKey]:
+        """Predecessor of each held block whose link was recorded (persistent tiers; others: none)."""
+        return {}
+
+    def record_links(self, links: Sequence[tuple[BlockKey, BlockKey]]) -> None:  # noqa: B027 - optional
+        """Remember (key, predecessor) links of stored blocks across restarts (persistent tiers only)."""
+
     def report_health(self, ok: bool, reason: str = "") -> None:
         """Record the tier's state; logs one line per change (degraded ↔ ok), never one per block."""
         state = "ok" if ok else (reason or "degraded")

@@ -77,6 +77,8 @@ from kvtier.hashing import namespace_fingerprint
 from kvtier.layout import BlockLayout
 from kvtier.logs import LogLimiter
 from kvtier.tiers.base import Tier
+from kvtier.tiers.chainlog import FILE_NAME as CHAIN_LOG
+from kvtier.tiers.chainlog import ChainLog
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +229,7 @@ class FileTier(Tier):
             if direct_io:
                 self._probe_direct_io()
             self._scan()
+            self._chains = ChainLog(self.directory / CHAIN_LOG)
         except OSError as exc:
             self._executor.shutdown(wait=False)
             raise TierUnavailable(f"file tier {name!r} cannot use {self.directory}: {exc}") from exc
@@ -297,6 +300,15 @@ class FileTier(Tier):
         for outcome in outcomes:
             if outcome.error is not None:
                 self.counters.error(outcome.error)
+
+    def chain_links(self) -> dict[BlockKey, BlockKey]:
+        """Recorded predecessors of the indexed blocks (:mod:`kvtier.tiers.chainlog`)."""
+        with self._lock:
+            present = set(self._index)
+        return self._chains.load(present)
+
+    def record_links(self, links: Sequence[tuple[BlockKey, BlockKey]]) -> None:
+        self._chains.append(links)
 
     def keys(self) -> Iterator[BlockKey]:
         """A snapshot of the indexed keys (safe while I/O is in flight)."""

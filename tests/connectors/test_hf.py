@@ -108,6 +108,12 @@ def test_second_call_computes_only_the_uncached_suffix(model: Any, reuse: HFPref
     assert report.hits_by_tier == {"cpu": SHARED // BLOCK}
     # stored: the blocks of prompt 2 and its first generated tokens not cached yet, (100 + 5) // 16 - 4
     assert report.stored_blocks == 2
+    # every block is stored with the one before it as its predecessor: eviction keeps chains whole
+    chain = reuse.block_keys(prompt(2)[0].tolist())  # six full blocks, all stored by now
+    for j in range(1, len(chain)):
+        links = {index.hint(chain[j]).predecessor for index in reuse.cache.core.residency.tiers
+                 if chain[j] in index}
+        assert links == {chain[j - 1]}, j
 
 
 def test_same_prompt_again_computes_only_its_last_tokens(model: Any, reuse: HFPrefixCache) -> None:

@@ -200,6 +200,19 @@ def test_flat_and_zero_copy_paths_read_each_others_pages(make_backend: Callable[
     assert got is not None and torch.equal(got, pool.get_data_page(pool.page_size))
 
 
+def test_a_batch_of_pages_is_stored_as_a_chain_per_component(make_backend: Callable[..., Any]) -> None:
+    pool = HostPool()
+    backend = make_backend(pool)
+    names = keys("c0", "c1", "c2")
+    assert backend.batch_set_v1(names, pool.indices(0, 3)) == [True] * 3
+    pages = [backend._block_keys(name, backend.geometry) for name in names]
+    hints = backend._cache.core.residency.tiers[0].hints
+    for component in range(len(pages[0])):
+        assert pages[0][component] not in hints  # the batch's first page: a chain head here
+        for i in (1, 2):
+            assert hints[pages[i][component]].predecessor == pages[i - 1][component]
+
+
 def test_batch_exists_counts_the_leading_stored_pages(make_backend: Callable[..., Any]) -> None:
     pool = HostPool()
     backend = make_backend(pool)

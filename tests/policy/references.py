@@ -271,3 +271,60 @@ class RefTinyLFU:
                 break
             out.append(key)
         return out
+
+
+class RefLeafLRU:
+    """Leaf-first LRU by definition, recomputed from scratch on every question.
+
+    A resident key is *orphaned* while its declared predecessor, resident when the key was (or
+    became) linked to it, is gone; it is *detached* if it or any resident ancestor is orphaned.
+    Order: detached leaves, attached leaves, inner keys (a resident key declares it), each oldest
+    first; pinned keys never.
+    """
+
+    def __init__(self) -> None:
+        self.clock = 0
+        self.time: dict[BlockKey, int] = {}
+        self.pred: dict[BlockKey, BlockKey] = {}
+        self.orphaned: set[BlockKey] = set()
+
+    def insert(self, key: BlockKey, hint: InsertHint = InsertHint()) -> None:
+        if key in self.time:
+            self.access(key)
+            return
+        self.clock += 1
+        self.time[key] = self.clock
+        if hint.predecessor is not None and hint.predecessor != key:
+            self.pred[key] = hint.predecessor
+        self.orphaned -= {k for k in self.time if self.pred.get(k) == key}
+
+    def access(self, key: BlockKey) -> None:
+        if key in self.time:
+            self.clock += 1
+            self.time[key] = self.clock
+
+    def remove(self, key: BlockKey) -> None:
+        if key not in self.time:
+            return
+        del self.time[key]
+        self.pred.pop(key, None)
+        self.orphaned.discard(key)
+        self.orphaned |= {k for k in self.time if self.pred.get(k) == key}
+
+    def detached(self, key: BlockKey) -> bool:
+        seen = set()
+        while key in self.time and key not in seen:
+            if key in self.orphaned:
+                return True
+            seen.add(key)
+            key = self.pred.get(key)  # type: ignore[assignment]
+        return False
+
+    def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
+        inner = {p for k, p in self.pred.items() if k in self.time}
+
+        def rank(key: BlockKey) -> tuple[int, int]:
+            lane = 2 if key in inner else (0 if self.detached(key) else 1)
+            return lane, self.time[key]
+
+        return sorted((k for k in self.time if k not in pinned), key=rank)[:max(count, 0)]

@@ -90,6 +90,28 @@ def chat(refs: int, seed: int = 0, *, p_continue: float = 0.6, think: tuple[int,
     return _trace("chat", chains, tokens)
 
 
+def sessions(refs: int, seed: int = 0, *, users: int = 8, new_blocks: tuple[int, int] = (1, 12),
+             turns: tuple[int, int] = (5, 40), system_blocks: int = 2) -> Trace:
+    """Agentic sessions: ``users`` concurrent long sessions, one request at a time from a random
+    user; each request re-sends its session's whole context and adds ``new_blocks``; a session
+    ends after ``turns`` requests and its user starts a new one. Chains grow long and come back
+    after the other users' turns, so keeping heads whole matters more than telling blocks apart."""
+    rnd = random.Random(seed)
+    fresh = itertools.count(1 << 20)
+    system = [next(fresh) for _ in range(system_blocks)]
+    live: list[tuple[list[int], int]] = [(list(system), rnd.randint(*turns)) for _ in range(users)]
+    chains: list[list[int]] = []
+    total = 0
+    while total < refs:
+        u = rnd.randrange(users)
+        blocks, left = live[u]
+        blocks = blocks + [next(fresh) for _ in range(rnd.randint(*new_blocks))]
+        chains.append(blocks)
+        total += len(blocks)
+        live[u] = (blocks, left - 1) if left > 1 else (list(system), rnd.randint(*turns))
+    return _trace("sessions", chains)
+
+
 def standard_workloads() -> list[tuple[Trace, list[int]]]:
     """The workloads the default policy must not lose on, each with the capacities (blocks) tested."""
     return [
@@ -102,4 +124,5 @@ def standard_workloads() -> list[tuple[Trace, list[int]]]:
         (chat(80_000, seed=1), [1000, 4000]),
         (chat(80_000, seed=2, p_continue=0.8, think=(5, 50)), [1000, 4000]),
         (chat(80_000, seed=3, p_continue=0.3, think=(100, 1000)), [2000, 8000]),
+        (sessions(80_000, seed=1), [300, 800]),
     ]

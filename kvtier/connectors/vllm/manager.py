@@ -16,6 +16,7 @@ from kvtier.blocks import BlockKey
 from kvtier.connectors.vllm.geometry import Lookup
 from kvtier.connectors.vllm.runtime import LOST, OffloadRuntime
 from kvtier.metrics import CacheStats
+from kvtier.policy.base import InsertHint
 from kvtier.residency import Plan
 
 
@@ -243,31 +244,36 @@ class KVTierOffloadManager:
         """
         chosen: list[bytes] = []
         block_keys: list[BlockKey] = []
+        predecessors: list[BlockKey | None] = []
         present: list[BlockKey] = []
+        # The asked keys are one request's chunks in chain order per group (vLLM stores a prefix in
+        # order): each chunk's predecessor is the chunk before it of the same group in this call (the
+        # first one's is not known here). Eviction uses the links to drop a chain's tail before its head.
+        last_of_group: dict[int, BlockKey] = {}
         loadable, storing, block_key_of, staging = self._loadable, self._storing, self._codec.block_key, self._staging
         for key in keys:
             held = loadable.get(key)
             if held is not None:
                 present.append(held)
-                continue
-            if key in storing:
+                last_of_group[held.group_id] = held
                 continue
             block_key = block_key_of(key)
-            if staging and block_key in staging:
+            previous = last_of_group.get(block_key.group_id)
+            last_of_group[block_key.group_id] = block_key
+            if key in storing or (staging and block_key in staging):
                 continue
             chosen.append(key)
             block_keys.append(block_key)
+            predecessors.append(previous)
         if present:
             self._record_use(req_context, present)
         if not chosen:
             return [], self._spec_type(keys=())
-        # chain: predecessor — block_keys are one request's chunks in chain order (vLLM stores a prefix in
-        # order, group-major): the predecessor of block_keys[i] is block_keys[i - 1] of the same group, and
-        # of the first one the request's chunk before the first key asked for here.
         # the asked chunks already stored stay: pinned while the plan makes room, never its victims
         pinned = self._core.lease(present, self._memory_tiers) if present else None
         try:
-            plan = self._core.plan_store(block_keys)
+            plan = self._core.plan_store(block_keys, [InsertHint(position=i, predecessor=previous)
+                                                      for i, previous in enumerate(predecessors)])
         finally:
             if pinned is not None:
                 self._core.release(present, pinned)

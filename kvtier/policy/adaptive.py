@@ -1,0 +1,260 @@
+"""The default: leaf-first eviction, with learned per-class lifetimes where the workload rewards them.
+
+Two behaviours win on different workload families, and a cache cannot know in advance which one
+it serves:
+
+* **Chains** (long agentic sessions, RAG over long shared documents): a block is only usable after
+  its whole prefix, so the tail of a chain must leave before its head — *leaf-first* eviction — and
+  plain recency among the leaves is hard to beat (:class:`~kvtier.policy.chains.LeafLRUPolicy`).
+* **Dead blocks** (multi-turn chat: most new blocks are never referenced again): blocks seen once
+  deserve a shorter life than blocks seen again, with lifetimes learned from the reuse distances of
+  the workload (:class:`~kvtier.policy.lifetime.LearnedLifetimePolicy`).
+
+Both experts run over one set of structures. The learned-lifetime class queues hold only *leaves*
+(blocks no resident block continues, see :class:`~kvtier.policy.chains.ChainForest`); inner blocks
+wait aside until their last successor leaves and then re-enter their class queue at the place
+their last reference gives them; blocks detached from their chain (their prefix left this tier)
+go first. So whichever expert decides, tails go before heads, and across tiers a chain's tail is
+demoted before its head.
+
+**Which expert decides** is learned online, from ghost history: the lifetime model keeps, for the
+keys it evicted, their class and last reference (:mod:`kvtier.policy.lifetime`, a tagged table),
+and from the reuse distances of resident and ghost keys it builds, every half capacity of
+references, the hit curve of both experts: per-class lifetimes, and one common lifetime (what
+recency does). When the per-class solution beats recency by at least 2 % of modelled hits, the
+oldest-per-class leaf that most overstays its class lifetime is evicted; otherwise the oldest leaf
+(leaf-first LRU, exactly). The comparison is repeated as the workload moves, over a history of
+~16 capacities of references, so the policy switches back when the workload does.
+
+Cost per reference: the lifetime policy's, plus a chain link per insert and an unlink per removal.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Container
+
+from kvtier.blocks import BlockKey
+from kvtier.policy.base import InsertHint
+from kvtier.policy.chains import ChainForest
+from kvtier.policy.lifetime import _NEVER_KEEP, LearnedLifetimePolicy
+
+
+def _last_reference(front: tuple[int, BlockKey, int]) -> int:
+    return front[2]
+
+
+class AdaptiveChainPolicy(LearnedLifetimePolicy):
+    """Leaf-first eviction by learned per-class lifetimes, or by recency where they gain nothing (module docstring).
+
+    ``capacity`` (blocks) as for :class:`LearnedLifetimePolicy`; without it, the most blocks held.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, capacity: int | None = None, *, classes: int = 3, min_gain: float = 0.02) -> None:
+        super().__init__(capacity, classes=classes, min_gain=min_gain)
+        self.chains = ChainForest()
+        self._inner: dict[BlockKey, int] = {}  # resident blocks with resident successors -> last reference
+        self._detached: dict[BlockKey, int] = {}  # detached leaves -> last reference
+        # leaves that re-entered a class queue out of time order, with a heap of them (stale skipped)
+        self._late: list[dict[BlockKey, int]] = [{} for _ in range(classes)]
+        self._late_heap: list[list[tuple[int, BlockKey]]] = [[] for _ in range(classes)]
+
+    @property
+    def leader(self) -> str:
+        """Which expert decides now: ``lifetime`` (learned per-class lifetimes) or ``leaf_lru``."""
+        return "lifetime" if self._learned else "leaf_lru"
+
+    # --- where a key's time lives ------------------------------------------------------------------
+    def _to_leaf(self, key: BlockKey, t: int) -> None:
+        """``key`` (last referenced at ``t``) has no resident successor any more: queue it by its time."""
+        if key in self.chains.detached:
+            self._detached[key] = t
+            return
+        cls = self._meta[key][0]
+        queue = self._queues[cls]
+        if not queue or t >= queue[next(reversed(queue))]:
+            queue[key] = t
+        elif t <= queue[next(iter(queue))]:  # the usual case: a parent is older than its successors
+            queue[key] = t
+            queue.move_to_end(key, last=False)
+        else:
+            self._late[cls][key] = t
+            heapq.heappush(self._late_heap[cls], (t, key))
+
+    def _from_leaf(self, key: BlockKey) -> int:
+        """Take ``key`` out of the leaf queues (or the detached lane); returns its last reference."""
+        cls = self._meta[key][0]
+        t = self._queues[cls].pop(key, None)
+        if t is None:
+            t = self._late[cls].pop(key, None)
+            if t is None:
+                t = self._detached.pop(key)
+        return t
+
+    def _aside(self, key: BlockKey, cls: int) -> dict[BlockKey, int] | None:
+        """The side table holding ``key`` (inner, detached or late leaf), or None if it is queued."""
+        if key in self._queues[cls]:
+            return None
+        for where in (self._inner, self._late[cls], self._detached):
+            if key in where:
+                return where
+        raise KeyError(key)
+
+    # --- EvictionPolicy ----------------------------------------------------------------------------
+    def insert(self, key: BlockKey, hint: InsertHint = InsertHint()) -> None:
+        if key in self._meta:
+            self.access(key)
+            return
+        super().insert(key, hint)
+        parent, inner, attached, detached = self.chains.link(key, hint.predecessor, self._meta)
+        if parent is not None and parent not in self._inner:
+            self._inner[parent] = self._from_leaf(parent)
+        for k in attached:
+            t = self._detached.pop(k, None)
+            if t is not None:
+                self._to_leaf(k, t)
+        for k in detached:
+            if k not in self._inner:
+                self._detached[k] = self._from_leaf(k)
+        if inner or key in self.chains.detached:
+            t = self._queues[self._meta[key][0]].pop(key)
+            if inner:
+                self._inner[key] = t
+            else:
+                self._detached[key] = t
+
+    def access(self, key: BlockKey) -> None:
+        meta = self._meta.get(key)
+        if meta is None:
+            return
+        cls = meta[0]
+        where = self._aside(key, cls)
+        if where is None:
+            super().access(key)
+            return
+        # learn from the reference as the lifetime policy does; an inner or detached block stays aside,
+        # a late leaf is now the newest of its class
+        self._queues[cls][key] = where.pop(key)
+        super().access(key)
+        if where is not self._late[cls]:
+            where[key] = self._queues[meta[0]].pop(key)
+
+    def remove(self, key: BlockKey) -> None:
+        meta = self._meta.get(key)
+        if meta is None:
+            return
+        cls = meta[0]
+        where = self._aside(key, cls)
+        if where is not None:
+            self._queues[cls][key] = where.pop(key)
+        super().remove(key)
+        parent, detached = self.chains.unlink(key, self._meta)
+        for k in detached:
+            if k not in self._inner:
+                self._detached[k] = self._from_leaf(k)
+        if parent is not None:
+            t = self._inner.pop(parent, None)
+            if t is not None:
+                self._to_leaf(parent, t)
+
+    def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
+        out: list[BlockKey] = []
+        if count <= 0:
+            return out
+        if count == 1 and not self._detached:  # the common case, inlined
+            now, weights, learned = self._clock + 1, self.weights, self._learned
+            best: BlockKey | None = None
+            best_score = -1.0
+            for c, queue in enumerate(self._queues):
+                key = None
+                for key, t in queue.items():  # noqa: B007 - t is the front's time, used below
+                    if key not in pinned:
+                        break
+                else:
+                    key = None
+                late = self._late[c]
+                if late:
+                    heap = self._late_heap[c]
+                    while heap and late.get(heap[0][1]) != heap[0][0]:
+                        heapq.heappop(heap)  # stale: forgetting it changes no order
+                    if heap and (key is None or heap[0][0] < t):
+                        if heap[0][1] in pinned:
+                            break  # rare: the careful walk below
+                        t, key = heap[0]
+                if key is None:
+                    continue
+                if learned:
+                    if weights[c] == _NEVER_KEEP:
+                        return [key]
+                    score = (now - t) * weights[c]
+                else:
+                    score = now - t
+                if score > best_score:
+                    best, best_score = key, score
+            else:
+                if best is not None:
+                    return [best]
+        if self._detached:
+            for key in sorted(self._detached, key=self._detached.__getitem__):
+                if key not in pinned:
+                    out.append(key)
+                    if len(out) == count:
+                        return out
+        skip: Container[BlockKey] = pinned
+        while len(out) < count:
+            fronts = self._fronts(skip)
+            if not fronts:
+                break
+            victim = max(fronts, key=self._overstay) if self._learned else min(fronts, key=_last_reference)
+            out.append(victim[1])
+            if len(out) < count:
+                skip = _Union(pinned, out)
+        if len(out) < count and self._inner:  # every leaf is pinned: inner blocks, least recently used first
+            for key in sorted(self._inner, key=self._inner.__getitem__):
+                if key not in pinned:
+                    out.append(key)
+                    if len(out) == count:
+                        break
+        return out
+
+    def _overstay(self, front: tuple[int, BlockKey, int]) -> float:
+        weight = self.weights[front[0]]
+        return float("inf") if weight == _NEVER_KEEP else (self._clock + 1 - front[2]) * weight
+
+    def _fronts(self, skip: Container[BlockKey]) -> list[tuple[int, BlockKey, int]]:
+        """(class, key, last reference) of the oldest leaf of each class not in ``skip``."""
+        fronts = []
+        for c, queue in enumerate(self._queues):
+            best: tuple[int, BlockKey, int] | None = None
+            for key, t in queue.items():
+                if key not in skip:
+                    best = (c, key, t)
+                    break
+            late, heap = self._late[c], self._late_heap[c]
+            if late:
+                while heap and late.get(heap[0][1]) != heap[0][0]:
+                    heapq.heappop(heap)  # stale: forgetting it changes no order
+                for t, key in heapq.nsmallest(len(heap), heap) if heap[0][1] in skip else heap[:1]:
+                    if key not in skip and late.get(key) == t:
+                        if best is None or t < best[2]:
+                            best = (c, key, t)
+                        break
+            elif heap:
+                heap.clear()
+            if best is not None:
+                fronts.append(best)
+        return fronts
+
+
+class _Union:
+    """``pinned`` plus the victims already chosen, as one container."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Container[BlockKey], b: list[BlockKey]) -> None:
+        self.a, self.b = a, set(b)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
