@@ -603,18 +603,8 @@ class AsyncTieredCache:
                                  f"index and this worker's tiers are out of step") from None
             for i, view in zip(idx, views, strict=True):
                 buffers[i].copy_(view)
-            elapsed = time.perf_counter() - start
-            with self._index_lock:
-                tier, activity = self.tiers[t], self._activity[t]
-                tier.counters.blocks_read += len(idx)
-                tier.counters.bytes_read += sum(buffers[i].numel() for i in idx)
-                tier.counters.read_seconds += elapsed
-                activity.observe("get", elapsed)
-                activity.hits += len(idx)
-        with self._index_lock:
-            self._counts["loads"] += 1
-            self._counts["load_blocks"] += len(keys)
-            self._counts["loaded_blocks"] += len(keys)
+            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=False, misses_above=False)
+        self._count_load(len(keys))
 
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
         """Pin each key where a readable copy is, for a read that comes later; thread-safe, never blocks on I/O.
@@ -691,23 +681,31 @@ class AsyncTieredCache:
             start = time.perf_counter()
             for i, view in zip(idx, self.tiers[t].views([keys[i] for i in idx]), strict=True):
                 buffers[i].copy_(view)
-            elapsed = time.perf_counter() - start
-            with self._index_lock:
-                tier, activity = self.tiers[t], self._activity[t]
-                tier.counters.blocks_read += len(idx)
-                tier.counters.bytes_read += sum(buffers[i].numel() for i in idx)
-                tier.counters.read_seconds += elapsed
-                activity.observe("get", elapsed)
-                activity.hits += len(idx)
-                if touch:
-                    for i in idx:
-                        self.residency.touch(t, keys[i])
+            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=touch, misses_above=True)
+        self._count_load(len(keys))
+
+    def _count_memory_read(self, t: int, idx: list[int], keys: Sequence[BlockKey], buffers: Sequence[torch.Tensor],
+                           elapsed: float, *, touch: bool, misses_above: bool) -> None:
+        """Counters (and recency, with ``touch``) of blocks copied out of memory tier ``t`` on the caller's thread."""
+        with self._index_lock:
+            tier, activity = self.tiers[t], self._activity[t]
+            tier.counters.blocks_read += len(idx)
+            tier.counters.bytes_read += sum(buffers[i].numel() for i in idx)
+            tier.counters.read_seconds += elapsed
+            activity.observe("get", elapsed)
+            activity.hits += len(idx)
+            if touch:
+                for i in idx:
+                    self.residency.touch(t, keys[i])
+            if misses_above:
                 for above in self._activity[:t]:
                     above.misses += len(idx)
+
+    def _count_load(self, blocks: int) -> None:
         with self._index_lock:
             self._counts["loads"] += 1
-            self._counts["load_blocks"] += len(keys)
-            self._counts["loaded_blocks"] += len(keys)
+            self._counts["load_blocks"] += blocks
+            self._counts["loaded_blocks"] += blocks
 
     @_operation
     async def clear(self, tiers: Iterable[int]) -> list[BlockKey]:
