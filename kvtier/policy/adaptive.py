@@ -35,7 +35,7 @@ import heapq
 from collections.abc import Container
 
 from kvtier.blocks import BlockKey
-from kvtier.policy.base import InsertHint
+from kvtier.policy.base import InsertHint, take_unpinned
 from kvtier.policy.chains import ChainForest
 from kvtier.policy.lifetime import _NEVER_KEEP, LearnedLifetimePolicy
 
@@ -196,12 +196,8 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             else:
                 if best is not None:
                     return [best]
-        if self._detached:
-            for key in sorted(self._detached, key=self._detached.__getitem__):
-                if key not in pinned:
-                    out.append(key)
-                    if len(out) == count:
-                        return out
+        if self._detached and take_unpinned(sorted(self._detached, key=self._detached.__getitem__), pinned, count, out):
+            return out
         skip: Container[BlockKey] = pinned
         while len(out) < count:
             fronts = self._fronts(skip)
@@ -212,11 +208,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if len(out) < count:
                 skip = _Union(pinned, out)
         if len(out) < count and self._inner:  # every leaf is pinned: inner blocks, least recently used first
-            for key in sorted(self._inner, key=self._inner.__getitem__):
-                if key not in pinned:
-                    out.append(key)
-                    if len(out) == count:
-                        break
+            take_unpinned(sorted(self._inner, key=self._inner.__getitem__), pinned, count, out)
         return out
 
     def _overstay(self, front: tuple[int, BlockKey, int]) -> float:

@@ -9,7 +9,7 @@ store is using — are passed in and must never be returned.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from typing import NamedTuple
 
 from kvtier.blocks import BlockKey
@@ -68,3 +68,17 @@ class EvictionPolicy(ABC):
 
     def miss(self, key: BlockKey) -> None:  # noqa: B027 - optional hook, most policies ignore misses
         """A lookup for a key this partition does not hold (ghost-list policies learn from it)."""
+
+
+def take_unpinned(order: Iterable[BlockKey], pinned: Container[BlockKey], count: int, out: list[BlockKey]) -> bool:
+    """Append the keys of ``order`` that are not pinned to ``out`` until it holds ``count``; True once full.
+
+    The walk every policy's :meth:`EvictionPolicy.victims` ends in, over its own eviction order."""
+    if len(out) >= count:
+        return True
+    for key in order:
+        if key not in pinned:
+            out.append(key)
+            if len(out) == count:
+                return True
+    return False

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator
 
 from kvtier.blocks import BlockKey
-from kvtier.policy.base import EvictionPolicy, InsertHint
+from kvtier.policy.base import EvictionPolicy, InsertHint, take_unpinned
 
 
 class ChainForest:
@@ -235,21 +235,12 @@ class LeafLRUPolicy(EvictionPolicy):
         out: list[BlockKey] = []
         if count <= 0:
             return out
-        lanes: list[Iterable[BlockKey]] = [self._attached_leaves(), ()]
-        if self._detached:
-            lanes.insert(0, self._by_time(self._detached))
-        for lane in lanes:
-            for key in lane:
-                if key not in pinned:
-                    out.append(key)
-                    if len(out) == count:
-                        return out
+        if self._detached and take_unpinned(self._by_time(self._detached), pinned, count, out):
+            return out
+        if take_unpinned(self._attached_leaves(), pinned, count, out):
+            return out
         if self._inner:  # every leaf is pinned: an inner block must go, least recently used first
-            for key in self._by_time(self._inner):
-                if key not in pinned:
-                    out.append(key)
-                    if len(out) == count:
-                        break
+            take_unpinned(self._by_time(self._inner), pinned, count, out)
         return out
 
     def __len__(self) -> int:

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Container
 
 from kvtier.blocks import BlockKey
-from kvtier.policy.base import EvictionPolicy, InsertHint
+from kvtier.policy.base import EvictionPolicy, InsertHint, take_unpinned
 
 
 class LRUPolicy(EvictionPolicy):
@@ -30,13 +30,8 @@ class LRUPolicy(EvictionPolicy):
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
         out: list[BlockKey] = []
-        if count <= 0:
-            return out
-        for key in self._order:
-            if key not in pinned:
-                out.append(key)
-                if len(out) == count:
-                    break
+        if count > 0:
+            take_unpinned(self._order, pinned, count, out)
         return out
 
     def __len__(self) -> int:
