@@ -523,20 +523,14 @@ class AsyncTieredCache:
 
     def _io_now(self, t: int, op: str, keys: list[BlockKey], *args: Any) -> list[bool]:
         """:meth:`_safe_io` for a CPU tier, on the caller's thread: its coroutines finish without waiting."""
-        if not keys:
-            return []
-        tier = self.tiers[t]
-        start = time.perf_counter()
         try:
-            result = _run_now(getattr(tier, op)(keys, *args))
-        except LayoutMismatch:
-            raise
-        except Exception as exc:
+            result = _run_now(self._safe_io(t, op, keys, *args))
+        except RuntimeError as exc:  # the tier's call waited: it cannot run here
+            tier = self.tiers[t]
             tier.counters.error(type(exc).__name__)
             log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
             return [False] * len(keys)
-        self._activity[t].observe(op, time.perf_counter() - start)
-        return [True] * len(keys) if result is None else cast("list[bool]", result)
+        return [True] * len(keys) if result is None else result
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark each key recently used in the top-most tier holding it READY (thread-safe, no I/O)."""
