@@ -78,8 +78,8 @@ def blocks_for(keys: Sequence[BlockKey], layout: BlockLayout = LAYOUT) -> torch.
 def universe(n: int, tag: str = "", group_id: int = 0, hash_bytes: int = 16) -> list[BlockKey]:
     """``n`` distinct keys; the tag keeps universes of different runs apart."""
     salt = tag.encode()
-    return [BlockKey(xxhash.xxh128_digest(salt + i.to_bytes(8, "little"))[:hash_bytes].ljust(hash_bytes, b"\0"),
-                     group_id) for i in range(n)]
+    return [BlockKey(xxhash.xxh128_digest(salt + i.to_bytes(8, "little"))[:hash_bytes]
+                     .ljust(hash_bytes, b"\0"), group_id) for i in range(n)]
 
 
 class Oracle:
@@ -162,7 +162,8 @@ class Oracle:
                 self.errors.append(f"load of {len(keys)} keys answered {n}")
             return
         rows = out.view(torch.uint8).reshape(len(keys), -1) if len(keys) else out
-        bad = [keys[i] for i in range(n) if not torch.equal(rows[i], expected_bytes(keys[i], self.layout.nbytes))]
+        bad = [keys[i] for i in range(n)
+               if not torch.equal(rows[i], expected_bytes(keys[i], self.layout.nbytes))]
         with self._lock:
             self.verified += n
             self.loaded_hits += n
@@ -246,7 +247,8 @@ def run_workload(cache: TieredCache, oracle: Oracle, keys: Sequence[BlockKey], *
             if result is None and oracle.hangs:
                 return
 
-    pool = [threading.Thread(target=worker, args=(i,), name=f"workload-{i}", daemon=True) for i in range(threads)]
+    pool = [threading.Thread(target=worker, args=(i,), name=f"workload-{i}", daemon=True)
+            for i in range(threads)]
     for t in pool:
         t.start()
     for t in pool:
@@ -271,7 +273,8 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 # --- configuration ------------------------------------------------------------------------------------------
 def cache_config(*, file_dir: Path | str | None = None, cpu_blocks: int = 4, file_blocks: int = 16,
                  redis: Mapping[str, Any] | None = None, write_mode: str = "write_back",
-                 keep_lower_copy: bool = True, model: str | None = None, **file_options: Any) -> dict[str, Any]:
+                 keep_lower_copy: bool = True, model: str | None = None,
+                 **file_options: Any) -> dict[str, Any]:
     """A config of the small model: CPU, then an optional file tier, then an optional Redis tier."""
     tiers: list[dict[str, Any]] = [{"type": "cpu", "capacity": cpu_blocks * BLOCK}]
     if file_dir is not None:
@@ -287,7 +290,8 @@ def cache_config(*, file_dir: Path | str | None = None, cpu_blocks: int = 4, fil
 def redis_options(url: str | None = None, *, startup_nodes: list[str] | None = None, timeout: float = 0.5,
                   connect_timeout: float = 0.5, failures: int = 3, cooldown: float = 0.3,
                   **more: Any) -> dict[str, Any]:
-    where: dict[str, Any] = {"cluster": True, "startup_nodes": startup_nodes} if startup_nodes else {"url": url}
+    where: dict[str, Any] = ({"cluster": True, "startup_nodes": startup_nodes} if startup_nodes
+                             else {"url": url})
     return {**where, "timeout": timeout, "connect_timeout": connect_timeout,
             "circuit_breaker": {"failures": failures, "cooldown_seconds": cooldown}, **more}
 
@@ -338,12 +342,14 @@ def consistency_problems(cache: TieredCache, *, disk: bool = True) -> list[str]:
             if index.used[gid] != count * per_block:
                 problems.append(f"{name}: group {gid} counts {index.used[gid]} bytes for {count} blocks")
             if index.used[gid] > index.capacity[gid]:
-                problems.append(f"{name}: group {gid} holds {index.used[gid]} > capacity {index.capacity[gid]}")
+                problems.append(f"{name}: group {gid} holds {index.used[gid]} "
+                                f"> capacity {index.capacity[gid]}")
             if len(index.policies[gid]) != count:
                 problems.append(f"{name}: eviction policy of group {gid} tracks {len(index.policies[gid])} "
                                 f"keys, the index {count}")
         if tier.usage_bytes() != index.usage():
-            problems.append(f"{name}: tier says {tier.usage_bytes()} bytes used, the cache's index {index.usage()}")
+            problems.append(f"{name}: tier says {tier.usage_bytes()} bytes used, "
+                            f"the cache's index {index.usage()}")
         held = set(tier.keys())
         if held != set(index.entries):
             only_tier = held - set(index.entries)
@@ -366,7 +372,7 @@ def tier_stats(cache: TieredCache, name: str) -> Any:
     return next(t for t in cache.stats().tiers if t.name == name)
 
 
-# --- storage faults ------------------------------------------------------------------------------------------
+# --- storage faults -----------------------------------------------------------------------------------------
 class SyscallFaults:
     """Make ``os.pwritev``/``os.preadv``/``os.rename`` fail with an errno at a rate (thread-safe).
 
@@ -414,8 +420,8 @@ class SyscallFaults:
         self.close()
 
 
-CORRUPTIONS = ("flip_header", "flip_payload", "truncate", "zero_header", "other_key", "other_layout", "other_namespace",
-               "huge_length")
+CORRUPTIONS = ("flip_header", "flip_payload", "truncate", "zero_header", "other_key", "other_layout",
+               "other_namespace", "huge_length")
 
 
 def forged_value(key: BlockKey, raw: bytes, *, layout_fp: int, raw_len: int | None = None,
@@ -460,9 +466,11 @@ def corrupt_bytes(value: bytes, kind: str, key: BlockKey, rng: random.Random, la
         raw = expected_bytes(key).numpy().tobytes()
         other = BlockKey(bytes(x ^ 0xFF for x in key.block_hash), key.group_id)
         # the forgery keeps the stored block's namespace: it must be refused for what the kind says
-        ns = codec._NAMESPACE.unpack_from(value, codec._NAMESPACE_OFFSET)[0] if len(value) >= HEADER_SIZE else 0
+        ns = (codec._NAMESPACE.unpack_from(value, codec._NAMESPACE_OFFSET)[0] if len(value) >= HEADER_SIZE
+              else 0)
         if kind == "other_key":
-            forged = forged_value(other, expected_bytes(other).numpy().tobytes(), layout_fp=layout_fp, namespace_fp=ns)
+            forged = forged_value(other, expected_bytes(other).numpy().tobytes(), layout_fp=layout_fp,
+                                  namespace_fp=ns)
         elif kind == "other_layout":
             forged = forged_value(key, raw, layout_fp=layout_fp ^ 0x5A5A, namespace_fp=ns)
         elif kind == "other_namespace":  # the same key and layout from another model or TP rank
@@ -470,7 +478,8 @@ def corrupt_bytes(value: bytes, kind: str, key: BlockKey, rng: random.Random, la
         else:  # huge_length
             forged = forged_value(key, raw, layout_fp=layout_fp, raw_len=1 << 40, payload_len=1 << 40,
                                   namespace_fp=ns)
-        data = bytearray(forged[:HEADER_SIZE]) + bytes(header_end - HEADER_SIZE) + bytearray(forged[HEADER_SIZE:])
+        data = (bytearray(forged[:HEADER_SIZE]) + bytes(header_end - HEADER_SIZE)
+                + bytearray(forged[HEADER_SIZE:]))
     return bytes(data)
 
 
@@ -494,11 +503,13 @@ def corrupt_file(path: str | Path, kind: str, key: BlockKey, rng: random.Random,
         return False
 
 
-# --- Redis servers and network faults ------------------------------------------------------------------------
-def ping(port: int, host: str = REDIS_HOST, timeout: float = 0.5, auth: tuple[str, str] | None = None) -> bool:
+# --- Redis servers and network faults -----------------------------------------------------------------------
+def ping(port: int, host: str = REDIS_HOST, timeout: float = 0.5,
+         auth: tuple[str, str] | None = None) -> bool:
     """Whether a Redis answers PING on ``port`` (after ``AUTH user password`` when given)."""
     def command(*args: str) -> bytes:
-        return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a.encode()), a.encode()) for a in args)
+        return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a.encode()), a.encode())
+                                                 for a in args)
 
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
@@ -556,7 +567,8 @@ class FaultProxy:
     for ``delay`` seconds. The mode can change while connections are open.
     """
 
-    def __init__(self, upstream: tuple[str, int] | None = None, mode: str = "pass", delay: float = 0.0) -> None:
+    def __init__(self, upstream: tuple[str, int] | None = None, mode: str = "pass",
+                 delay: float = 0.0) -> None:
         self.upstream = upstream
         self.mode = mode if upstream is not None else "blackhole"
         self.delay = delay
@@ -650,8 +662,9 @@ class FaultRow:
     @classmethod
     def from_oracle(cls, scenario: str, oracle: Oracle, recover_seconds: float | None = None,
                     note: str = "") -> FaultRow:
-        return cls(scenario, oracle.operations, oracle.verified, oracle.wrong, len(oracle.errors) + oracle.hangs,
-                   recover_seconds, oracle.max_latency, notes=[note] if note else [])
+        return cls(scenario, oracle.operations, oracle.verified, oracle.wrong,
+                   len(oracle.errors) + oracle.hangs, recover_seconds, oracle.max_latency,
+                   notes=[note] if note else [])
 
     def merge(self, other: FaultRow) -> None:
         """Accumulate another run of the same scenario (the soak)."""
@@ -679,8 +692,8 @@ def format_table(rows: Sequence[FaultRow]) -> str:
              "| slowest call | notes |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         recover = "—" if r.recover_seconds is None else f"{r.recover_seconds:.2f} s"
-        lines.append(f"| {r.scenario} | {r.operations:,} | {r.verified:,} | {r.wrong} | {r.errors} | {recover} "
-                     f"| {r.max_call_seconds:.2f} s | {'; '.join(r.notes)} |")
+        lines.append(f"| {r.scenario} | {r.operations:,} | {r.verified:,} | {r.wrong} | {r.errors} "
+                     f"| {recover} | {r.max_call_seconds:.2f} s | {'; '.join(r.notes)} |")
     return "\n".join(lines)
 
 

@@ -53,17 +53,20 @@ def round_trip_works(cache: TieredCache, tag: str) -> bool:
     if cache.store(keys, blocks_for(keys)) != 2:
         return False
     out = torch.empty((2, *LAYOUT.shape), dtype=LAYOUT.dtype)
-    return cache.load(keys, out) == 2 and torch.equal(out.view(torch.uint8).reshape(2, -1)[1], expected_bytes(keys[1]))
+    return cache.load(keys, out) == 2 and torch.equal(out.view(torch.uint8).reshape(2, -1)[1],
+                                                      expected_bytes(keys[1]))
 
 
-# --- configs --------------------------------------------------------------------------------------------------
+# --- configs ------------------------------------------------------------------------------------------------
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                    st.text(max_size=12), st.sampled_from(["8GiB", "12 bananas", "-1", "0", "1e400", "fp8", "lz4",
-                                                           "redis://127.0.0.1:1/0", "${KVTIER_UNSET_VARIABLE}",
-                                                           "write_through", "second_sighting", "HND", "cpu",
-                                                           "file", "redis", "gpu", "1TiB"]))
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                    st.text(max_size=12),
+                    st.sampled_from(["8GiB", "12 bananas", "-1", "0", "1e400", "fp8", "lz4",
+                                     "redis://127.0.0.1:1/0", "${KVTIER_UNSET_VARIABLE}",
+                                     "write_through", "second_sighting", "HND", "cpu",
+                                     "file", "redis", "gpu", "1TiB"]))
+VALUES = st.recursive(SCALARS,
+                      lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                              st.dictionaries(st.text(max_size=8), inner, max_size=3)),
                       max_leaves=6)
 
 
@@ -101,8 +104,10 @@ def test_fuzzed_configs_fail_at_load_or_build_with_a_key_path(tmp_path: Path) ->
     base = {"model": dict(SMALL_MODEL), "hash_block_size": 16, "block_size": 16,
             "groups": [{"block_size": 16, "name": "full"}],
             "tiers": [{"type": "cpu", "capacity": "64KiB", "eviction": "lru"},
-                      {"type": "file", "path": str(tmp_path / "fuzz"), "capacity": 8 * BLOCK, "compression": "lz4"},
-                      {"type": "redis", "url": "redis://127.0.0.1:1/0", "timeout": 0.2, "connect_timeout": 0.2}],
+                      {"type": "file", "path": str(tmp_path / "fuzz"), "capacity": 8 * BLOCK,
+                       "compression": "lz4"},
+                      {"type": "redis", "url": "redis://127.0.0.1:1/0", "timeout": 0.2,
+                       "connect_timeout": 0.2}],
             "placement": {"write_mode": "write_back", "promote_to": 0}}
     outcomes = {"loaded and built": 0, "refused at load": 0, "refused at build": 0}
 
@@ -185,7 +190,8 @@ def tensor_inputs(draw: st.DrawFn) -> tuple[Any, bool, int]:
     tensor = torch.zeros(shape, dtype=dtype, device=device)
     layout = draw(st.sampled_from(["as is", "transposed", "every other"]))
     if layout == "transposed" and tensor.dim() >= 3 and tensor.shape[-1] > 1 and tensor.shape[-2] > 1:
-        tensor = torch.zeros([*shape[:-2], shape[-1], shape[-2]], dtype=dtype, device=device).transpose(-1, -2)
+        tensor = torch.zeros([*shape[:-2], shape[-1], shape[-2]], dtype=dtype,
+                             device=device).transpose(-1, -2)
     elif layout == "every other" and tensor.dim() >= 2 and shape[-1] > 1:
         tensor = torch.zeros([*shape[:-1], shape[-1] * 2], dtype=dtype, device=device)[..., ::2]
     else:
@@ -201,8 +207,8 @@ def tensor_inputs(draw: st.DrawFn) -> tuple[Any, bool, int]:
             valid = False
         return blocks, valid, keys_n
     if form == "junk":
-        return draw(st.sampled_from([None, 7, "blocks", [1, 2], np.zeros((n, *LAYOUT.shape), dtype=np.float16)])), \
-            False, keys_n
+        junk = [None, 7, "blocks", [1, 2], np.zeros((n, *LAYOUT.shape), dtype=np.float16)]
+        return draw(st.sampled_from(junk)), False, keys_n
     return tensor, valid, keys_n
 
 
@@ -253,7 +259,7 @@ def test_a_tier_refusing_buffers_after_planning_leaves_nothing_half_done(tmp_pat
         assert round_trip_works(cache, "after-refusal")
 
 
-# --- keys -----------------------------------------------------------------------------------------------------
+# --- keys ---------------------------------------------------------------------------------------------------
 HASHES = st.one_of(st.binary(min_size=0, max_size=100), st.text(max_size=8), st.integers(), st.none(),
                    st.binary(min_size=1, max_size=64))
 GROUPS = st.one_of(st.integers(-2, 3), st.booleans(), st.text(max_size=2), st.none(), st.just(0))
@@ -296,7 +302,7 @@ def test_fuzzed_keys_are_refused_before_any_state_changes(tmp_path: Path) -> Non
         assert consistency_problems(cache) == []
 
 
-# --- stored blocks that lie -------------------------------------------------------------------------------------
+# --- stored blocks that lie ---------------------------------------------------------------------------------
 def test_forged_and_damaged_files_are_misses_at_start_and_on_read(tmp_path: Path) -> None:
     """Every kind of damage, planted once before a restart (start-up's scan must drop it) and once under
     a running tier (the read must); a header claiming 2**40 bytes allocates nothing; a 1 TiB sparse
@@ -415,7 +421,8 @@ class _LyingServer:
 def test_a_server_claiming_a_huge_value_allocates_nothing_and_times_out() -> None:
     key = universe(1, tag="lying")[0]
     tier = RedisTier("redis", {0: LAYOUT}, namespace="lying", url="redis://127.0.0.1:1/0", timeout=0.3)
-    header = forged_value(key, expected_bytes(key).numpy().tobytes(), layout_fp=tier._fingerprints[0])[:HEADER_SIZE]
+    header = forged_value(key, expected_bytes(key).numpy().tobytes(),
+                          layout_fp=tier._fingerprints[0])[:HEADER_SIZE]
     server = _LyingServer(1 << 40, header)
     tier = RedisTier("redis", {0: LAYOUT}, namespace="lying", url=f"redis://127.0.0.1:{server.port}/0",
                      timeout=0.3, connect_timeout=0.3)

@@ -78,7 +78,8 @@ def test_eight_threads_write_through_to_redis(tmp_path: Path, redis_servers: Any
 
 # --- two processes ----------------------------------------------------------------------------------------
 def _process_worker(cfg: dict[str, Any], shared: list[tuple[bytes, int]], own: list[tuple[bytes, int]],
-                    other: list[tuple[bytes, int]], seconds: float, seed: int, barrier: Any, results: Any) -> None:
+                    other: list[tuple[bytes, int]], seconds: float, seed: int, barrier: Any,
+                    results: Any) -> None:
     """One of the two processes: a workload over shared + own keys, then loads of the other's keys."""
     from kvtier import BlockKey
 
@@ -96,16 +97,18 @@ def _process_worker(cfg: dict[str, Any], shared: list[tuple[bytes, int]], own: l
 
 
 def scenario_two_processes(workdir: Path, redis_url: str, seconds: float,
-                           name: str = "2 processes, shared file dir + Redis") -> tuple[FaultRow, dict[str, Any]]:
+                           name: str = "2 processes, shared file dir + Redis",
+                           ) -> tuple[FaultRow, dict[str, Any]]:
     cfg = cache_config(file_dir=workdir / "shared-files", cpu_blocks=4, file_blocks=24,
-                       redis=redis_options(redis_url, timeout=2.0, connect_timeout=1.0), write_mode="write_through",
-                       model="two-processes")
+                       redis=redis_options(redis_url, timeout=2.0, connect_timeout=1.0),
+                       write_mode="write_through", model="two-processes")
     shared = [tuple(k) for k in universe(48, tag=f"{name}-shared")]
     mine = [[tuple(k) for k in universe(12, tag=f"{name}-own-{i}")] for i in range(2)]
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
-    children = [ctx.Process(target=_process_worker, args=(cfg, shared, mine[i], mine[1 - i], seconds, i, barrier,
-                                                          results)) for i in range(2)]
+    children = [ctx.Process(target=_process_worker,
+                            args=(cfg, shared, mine[i], mine[1 - i], seconds, i, barrier, results))
+                for i in range(2)]
     for child in children:
         child.start()
     reports = [results.get(timeout=seconds + 180) for _ in children]
@@ -124,7 +127,8 @@ def scenario_two_processes(workdir: Path, redis_url: str, seconds: float,
         hits, misses = oracle.sweep(cache)
         problems += consistency_problems(cache)
     row = FaultRow.from_oracle(name, oracle, restart_seconds,
-                               note=f"cross-process Redis hits {reports[0]['cross_hits']}+{reports[1]['cross_hits']} "
+                               note=f"cross-process Redis hits {reports[0]['cross_hits']}+"
+                                    f"{reports[1]['cross_hits']} "
                                     f"of 2×12; after restart the file index holds {seen[0]}+{seen[1]} of the "
                                     f"processes' own keys; sweep {hits} hits, {misses} misses")
     details = {"reports": reports, "problems": problems + [p for r in reports for p in r["problems"]],
@@ -139,5 +143,6 @@ def test_two_processes_share_file_and_redis_tiers(tmp_path: Path, redis_servers:
     assert details["exitcodes"] == [0, 0]
     assert row.wrong == 0 and row.errors == 0, row
     assert not details["problems"], details["problems"]
-    assert all(r["cross_hits"] > 0 for r in details["reports"]), "Redis did not share blocks between processes"
+    assert all(r["cross_hits"] > 0 for r in details["reports"]), \
+        "Redis did not share blocks between processes"
     assert all(n > 0 for n in details["seen"]), "after a restart the file index misses a process's blocks"

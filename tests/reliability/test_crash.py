@@ -58,7 +58,8 @@ def crash_config(root: Path) -> dict[str, object]:
 
 
 def crash_child(mode: str, root: str, log_path: str, seed: int) -> None:
-    """The process that gets killed: writes blocks forever, logging acks (``p <hex>``) and deletes (``d <hex>``)."""
+    """The process that gets killed: writes blocks forever, logging acks (``p <hex>``) and deletes
+    (``d <hex>``)."""
     keys = universe(48, tag="crash")
     rng = random.Random(seed)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -178,11 +179,13 @@ def scenario_crash(workdir: Path, rounds: int, seed: int = 0) -> tuple[FaultRow,
         problems += consistency_problems(cache)
         oracle.sweep(cache, universe(48, tag="crash"))
         problems += consistency_problems(cache)
-    row = FaultRow(f"SIGKILL while writing the file tier ({rounds} kills)", operations=acked_total + oracle.operations,
+    row = FaultRow(f"SIGKILL while writing the file tier ({rounds} kills)",
+                   operations=acked_total + oracle.operations,
                    verified=read_back + oracle.verified, wrong=oracle.wrong, errors=len(oracle.errors),
                    recover_seconds=restart_seconds, max_call_seconds=oracle.max_latency,
                    notes=[f"{temps_seen} temporary files found after kills, all removed at restart; "
-                          f"{acked_total} acknowledged blocks checked present; recovery = restart index scan"])
+                          f"{acked_total} acknowledged blocks checked present; "
+                          "recovery = restart index scan"])
     return row, problems
 
 

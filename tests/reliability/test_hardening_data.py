@@ -101,7 +101,7 @@ def test_cpu_tier_counts_its_own_seconds(tmp_path: Path) -> None:
     _assert_seconds_not_doubled(stats, store_wall, load_wall, n)
 
 
-# --- 14: one warning per corrupt block flooded logs -----------------------------------------------------------
+# --- 14: one warning per corrupt block flooded logs ---------------------------------------------------------
 def _file_only(tmp_path: Path, blocks: int) -> dict[str, Any]:
     cfg = cache_config(file_dir=tmp_path / "files", cpu_blocks=1, file_blocks=blocks)
     cfg["tiers"] = cfg["tiers"][1:]
@@ -134,11 +134,13 @@ def test_corrupt_block_warnings_are_rate_limited_with_a_count(tmp_path: Path,
     assert all("dropping corrupt block" in line for line in during)
     assert "further corrupt blocks dropped by file tier 'file' are counted" in during[-1]
     assert [line for line in at_close if "more corrupt blocks" in line] == [
-        next(line for line in at_close if line.startswith(f"{n - 5} more corrupt blocks dropped by file tier"))]
+        next(line for line in at_close
+             if line.startswith(f"{n - 5} more corrupt blocks dropped by file tier"))]
 
 
 def test_damaged_redis_values_warn_rate_limited(redis_servers: Any, caplog: pytest.LogCaptureFixture) -> None:
-    """Redis values that fail validation are now warned about (they were debug-only), at most 5 lines a minute."""
+    """Redis values that fail validation are now warned about (they were debug-only), at most 5 lines a
+    minute."""
     import redis
 
     server = redis_servers()
@@ -180,7 +182,8 @@ def test_log_limiter_summarises_each_interval() -> None:
         limiter = LogLimiter(logger, "bad things", burst=2, interval=10.0, clock=lambda: now[0])
         for i in range(7):
             limiter.log("bad thing %d", i)
-        assert records == ["bad thing 0", "bad thing 1 (further bad things are counted, not logged, for 10 s)"]
+        assert records == ["bad thing 0",
+                           "bad thing 1 (further bad things are counted, not logged, for 10 s)"]
         now[0] = 12.0
         limiter.log("bad thing %d", 7)
         assert records[2:] == ["5 more bad things in the last 12 s (not logged one by one)", "bad thing 7"]
@@ -192,7 +195,7 @@ def test_log_limiter_summarises_each_interval() -> None:
         logger.removeHandler(handler)
 
 
-# --- 2: a FIFO at a block path hung the file tier -------------------------------------------------------------
+# --- 2: a FIFO at a block path hung the file tier -----------------------------------------------------------
 def _release_reader(fifo: Path) -> None:
     """Unblock a reader stuck in ``open`` of ``fifo`` (so a failing run ends instead of hanging)."""
     with contextlib.suppress(OSError):
@@ -257,7 +260,7 @@ def test_restart_ignores_a_fifo_at_a_block_path(tmp_path: Path) -> None:
     assert not os.path.lexists(path)
 
 
-# --- 1: foreign blocks (another model of the same shape, another TP rank) ------------------------------------
+# --- 1: foreign blocks (another model of the same shape, another TP rank) -----------------------------------
 FOREIGN = [pytest.param({"name": "other-model"}, id="other_model_same_shape"),
            pytest.param({"tp_rank": 1, "tp_size": 2}, id="other_tp_rank")]
 
@@ -333,7 +336,7 @@ def test_a_foreign_redis_value_under_our_key_is_a_miss_and_dropped(redis_servers
     client.close()
 
 
-# --- 4: a Redis that requires a password, and a url without one ----------------------------------------------
+# --- 4: a Redis that requires a password, and a url without one ---------------------------------------------
 @pytest.mark.parametrize("credentials", ["missing", "wrong"])
 def test_redis_auth_failure_opens_the_breaker_and_says_so(redis_servers: Any, credentials: str,
                                                           caplog: pytest.LogCaptureFixture) -> None:
@@ -359,7 +362,7 @@ def test_redis_auth_failure_opens_the_breaker_and_says_so(redis_servers: Any, cr
     assert len(warnings) == 1 and "auth" in warnings[0], warnings
 
 
-# --- 3: close() while other threads are inside load/store/lookup ---------------------------------------------
+# --- 3: close() while other threads are inside load/store/lookup --------------------------------------------
 class _Callers:
     """Threads calling store/lookup/load until the cache says it is closed; they record anything else."""
 
@@ -406,7 +409,8 @@ class _Callers:
         return [t for t in self.threads if t.is_alive()]
 
 
-def _slow_redis_cache(redis_servers: Any, proxy_mode: str, timeout: float) -> tuple[FaultProxy, dict[str, Any]]:
+def _slow_redis_cache(redis_servers: Any, proxy_mode: str,
+                      timeout: float) -> tuple[FaultProxy, dict[str, Any]]:
     server = redis_servers()
     proxy = FaultProxy(("127.0.0.1", server.port), mode=proxy_mode, delay=0.05)
     cfg = cache_config(cpu_blocks=2, redis=redis_options(proxy.url, timeout=timeout, connect_timeout=timeout,
@@ -433,7 +437,8 @@ def test_close_lets_in_flight_calls_finish_and_refuses_later_ones(redis_servers:
     _assert_every_call_refused(cache)
 
 
-def test_close_cuts_short_calls_that_outlive_the_grace_period(redis_servers: Any, monkeypatch: pytest.MonkeyPatch,
+def test_close_cuts_short_calls_that_outlive_the_grace_period(redis_servers: Any,
+                                                               monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """A Redis that never answers (timeout 3 s) and a grace of 0.2 s: the calls are cancelled and their
     callers get CacheClosed once the Redis reads unwind (bounded by the tier's timeout: no thread may
@@ -472,7 +477,8 @@ def _assert_every_call_refused(cache: TieredCache) -> None:
     blocks = blocks_for(keys)
     calls = {
         "lookup": lambda: cache.lookup(keys), "load": lambda: cache.load(keys, blocks.clone()),
-        "store": lambda: cache.store(keys, blocks), "submit_load": lambda: cache.submit_load(keys, blocks.clone()),
+        "store": lambda: cache.store(keys, blocks),
+        "submit_load": lambda: cache.submit_load(keys, blocks.clone()),
         "submit_store": lambda: cache.submit_store(keys, blocks), "lease": lambda: cache.lease(keys),
         "read_leased": lambda: cache.read_leased(keys, [0, 0], blocks),
         "add_watcher": lambda: cache.add_watcher(object()),  # type: ignore[arg-type]
@@ -502,7 +508,8 @@ def test_async_cache_refuses_every_call_after_close(tmp_path: Path) -> None:
         async with core:
             assert await core.store(keys, blocks) == 2
         assert core.closed
-        for coro in (core.start(), core.lookup(keys), core.load(keys, blocks.clone()), core.store(keys, blocks)):
+        for coro in (core.start(), core.lookup(keys), core.load(keys, blocks.clone()),
+                     core.store(keys, blocks)):
             with pytest.raises(CacheClosed):
                 await coro
         with pytest.raises(CacheClosed):
@@ -514,7 +521,7 @@ def test_async_cache_refuses_every_call_after_close(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-# --- 6: a full disk (a real, small tmpfs) ----------------------------------------------------------------------
+# --- 6: a full disk (a real, small tmpfs) -------------------------------------------------------------------
 @pytest.fixture()
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs of the test's own (needs root and mount(2); skipped where it cannot be mounted)."""
@@ -550,7 +557,8 @@ def test_full_disk_shrinks_the_capacity_and_keeps_storing(small_disk: Path,
         stored = [cache.store([key], blocks_for([key])) for key in keys[:80]]
         first_failure = stored.index(0) if 0 in stored else None
         assert first_failure is not None, "the disk never filled: the test tested nothing"
-        assert stored[first_failure + 1:].count(0) <= 1, stored  # at most one more refusal, then it stores again
+        # at most one more refusal, then it stores again
+        assert stored[first_failure + 1:].count(0) <= 1, stored
         stats = tier_stats(cache, "file")
         assert stats.capacity_bytes < configured and stats.errors.get("enospc", 0) >= 1
         assert stats.usage_bytes <= stats.capacity_bytes
@@ -569,7 +577,7 @@ def test_full_disk_shrinks_the_capacity_and_keeps_storing(small_disk: Path,
         assert grown.health == "ok"
 
 
-# --- 5: a clean restart comes back warm with write_back (persist_on_close) ------------------------------------
+# --- 5: a clean restart comes back warm with write_back (persist_on_close) ----------------------------------
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -579,7 +587,8 @@ def _readme_snippet() -> str:
     code = text.split("## Using it as a library", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert "cache.close()" in code and "TieredCache.from_config" in code
     code = code.replace("# ... compute KV for keys[loaded:] into `blocks` ...",
-                        "blocks = torch.ones((len(keys) - loaded, *group.layout.shape), dtype=group.layout.dtype)")
+                        "blocks = torch.ones((len(keys) - loaded, *group.layout.shape), "
+                        "dtype=group.layout.dtype)")
     return "import sys\ntoken_ids = list(range(160))\n" + code + "print('RESULT', n, loaded)\n"
 
 
@@ -632,8 +641,8 @@ def test_a_cache_left_open_persists_at_interpreter_exit(tmp_path: Path) -> None:
         assert cache.store(keys, blocks_for(keys)) == 5
     """)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     with TieredCache.from_config(cfg) as cache:
         assert cache.lookup(universe(5, tag="atexit")) == 5
@@ -663,8 +672,8 @@ def test_sigterm_persists_memory_blocks_before_exiting(tmp_path: Path, handler: 
 
     cfg = cache_config(file_dir=tmp_path / "files", cpu_blocks=16, file_blocks=32)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    child = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, json.dumps(cfg), handler], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, json.dumps(cfg), handler], cwd=REPO,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "stored"
         child.send_signal(signal.SIGTERM)
@@ -707,7 +716,8 @@ def test_persist_keeps_the_hottest_within_capacity_and_rewrites_nothing(tmp_path
         out = torch.empty_like(blocks_for(keys[:2]))
         assert cache.load(keys[:2], out) == 2 and _same_bytes(out, blocks_for(keys[:2]))
 
-    through = cache_config(file_dir=tmp_path / "through", cpu_blocks=16, file_blocks=16, write_mode="write_through")
+    through = cache_config(file_dir=tmp_path / "through", cpu_blocks=16, file_blocks=16,
+                           write_mode="write_through")
     cache = TieredCache.from_config(through)
     assert cache.store(keys, blocks_for(keys)) == 10
     before = tier_stats(cache, "file").blocks_written

@@ -114,7 +114,8 @@ def leftovers(core: AsyncTieredCache) -> list[str]:
         if index.pins:
             problems.append(f"{tier.name}: pins left {dict(index.pins)}")
         if set(tier.keys()) != set(index.entries):
-            problems.append(f"{tier.name}: tier holds {len(set(tier.keys()))} keys, index lists {len(index.entries)}")
+            problems.append(f"{tier.name}: tier holds {len(set(tier.keys()))} keys, "
+                            f"index lists {len(index.entries)}")
     return problems
 
 
@@ -144,7 +145,8 @@ def test_load_does_not_act_on_a_location_that_went_stale_while_it_waited_for_red
         await settle(load)
         await core.store([a, b], blocks_for([a, b]))  # k is evicted from the CPU tier, demoted to Redis
         put_gate["k"] = asyncio.Event()
-        store = asyncio.create_task(core.store([k], blocks_for([k])))  # k is written to the CPU tier again (held)
+        # k is written to the CPU tier again (held)
+        store = asyncio.create_task(core.store([k], blocks_for([k])))
         await settle(load, store)
         remote.contains_gate.set()
         n = await load

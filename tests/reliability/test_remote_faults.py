@@ -44,13 +44,15 @@ def _background(cache: TieredCache, oracle: Oracle, keys: list[BlockKey], second
 
 
 def redis_round_trip(cache: TieredCache, keys: list[BlockKey]) -> bool:
-    """Put and get ``keys`` through the cache's own Redis tier (its pools and breakers), on the cache's loop."""
+    """Put and get ``keys`` through the cache's own Redis tier (its pools and breakers), on the cache's
+    loop."""
     tier = cache.core.tiers[-1]
     blocks = [expected_bytes(k) for k in keys]
     if not all(cache._call(tier.put(keys, blocks))):
         return False
     out = [torch.empty_like(b) for b in blocks]
-    return all(cache._call(tier.get(keys, out))) and all(torch.equal(a, b) for a, b in zip(out, blocks, strict=True))
+    return all(cache._call(tier.get(keys, out))) and all(torch.equal(a, b)
+                                                         for a, b in zip(out, blocks, strict=True))
 
 
 def _finish(cache: TieredCache, oracle: Oracle, workload: threading.Thread, seconds: float) -> list[str]:
@@ -198,7 +200,8 @@ def test_server_that_never_answers(tmp_path: Path) -> None:
     assert not problems, problems
 
 
-def scenario_slow_redis(server_url: str, seconds: float, delay: float, seed: int = 0) -> tuple[FaultRow, list[str]]:
+def scenario_slow_redis(server_url: str, seconds: float, delay: float,
+                        seed: int = 0) -> tuple[FaultRow, list[str]]:
     """Every reply from Redis is held ``delay`` seconds (below or above the tier's 0.5 s timeout)."""
     name = f"slow Redis: replies held {delay:.2f} s (timeout 0.5 s)"
     host, port = server_url.split("//")[1].split("/")[0].split(":")
@@ -213,7 +216,8 @@ def scenario_slow_redis(server_url: str, seconds: float, delay: float, seed: int
     problems += _deadline_problems(oracle, redis)
     if delay < 0.5 and not stats.hits:
         problems.append("a slow but answering Redis served no hit")
-    return FaultRow.from_oracle(name, oracle, note=f"{stats.hits} Redis hits; tier errors {stats.errors}"), problems
+    row = FaultRow.from_oracle(name, oracle, note=f"{stats.hits} Redis hits; tier errors {stats.errors}")
+    return row, problems
 
 
 def test_slow_redis_still_serves_within_the_deadline(redis_servers: Any) -> None:

@@ -45,7 +45,7 @@ from tests.reliability.conftest import (
 OTHER_UID = 65534  # nobody
 
 
-# --- file tier ------------------------------------------------------------------------------------------------
+# --- file tier ----------------------------------------------------------------------------------------------
 def modes_under(root: Path) -> tuple[set[int], set[int]]:
     dirs, files = {stat.S_IMODE(root.stat().st_mode)}, set()
     for dirpath, dirnames, filenames in os.walk(root):
@@ -80,7 +80,8 @@ def file_tier(root: Path, namespace: str = "ns") -> FileTier:
     return FileTier("file", {0: LAYOUT}, {0: 16 * BLOCK}, root=root, namespace=namespace)
 
 
-def test_a_cache_directory_owned_by_another_user_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cache_directory_owned_by_another_user_is_refused(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     _as_other_user(foreign, monkeypatch)
@@ -106,7 +107,8 @@ def test_a_cache_directory_that_is_a_symbolic_link_is_refused(tmp_path: Path) ->
     real = tmp_path / "real"
     real.mkdir()
     (tmp_path / "link").symlink_to(real)
-    with pytest.raises(KVTierConfigError, match=rf"^path: {tmp_path / 'link'} is a symbolic link \(to {real}\)"):
+    with pytest.raises(KVTierConfigError,
+                       match=rf"^path: {tmp_path / 'link'} is a symbolic link \(to {real}\)"):
         file_tier(tmp_path / "link")
     (real / "ns-target").mkdir()
     (real / "ns").symlink_to(real / "ns-target")
@@ -114,14 +116,16 @@ def test_a_cache_directory_that_is_a_symbolic_link_is_refused(tmp_path: Path) ->
         file_tier(real)
 
 
-def test_a_path_through_another_users_symbolic_link_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_path_through_another_users_symbolic_link_is_refused(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     real = tmp_path / "real"
     (real / "cache").mkdir(parents=True)
     link = tmp_path / "link"
     link.symlink_to(real)
     if os.geteuid() == 0:
         os.chown(link, OTHER_UID, OTHER_UID, follow_symlinks=False)
-        with pytest.raises(KVTierConfigError, match=rf"reached through the symbolic link {link}, owned by uid"):
+        with pytest.raises(KVTierConfigError,
+                           match=rf"reached through the symbolic link {link}, owned by uid"):
             file_tier(link / "cache")
     owned = tmp_path / "own-link"  # a link of this user's (or root's) own is this user's choice
     owned.symlink_to(real)
@@ -130,7 +134,8 @@ def test_a_path_through_another_users_symbolic_link_is_refused(tmp_path: Path, m
     asyncio.run(tier.close())
 
 
-def test_a_relative_path_with_dotdot_is_checked_as_it_resolves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_relative_path_with_dotdot_is_checked_as_it_resolves(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "a").mkdir()
     monkeypatch.chdir(tmp_path / "a")
     tier = file_tier(Path("../cache"))
@@ -180,7 +185,8 @@ def test_a_namespace_never_leads_out_of_the_cache_root(tmp_path: Path, namespace
 def test_writes_with_hostile_hashes_stay_inside(tmp_path: Path) -> None:
     outside = set(os.listdir(tmp_path))
     tier = file_tier(tmp_path / "cache")
-    keys = [BlockKey(h, 0) for h in (b"../../etc/passwd", b"/", b"\x00", b".", b"..", b"\xff" * 64, b"%2e%2e")]
+    keys = [BlockKey(h, 0)
+            for h in (b"../../etc/passwd", b"/", b"\x00", b".", b"..", b"\xff" * 64, b"%2e%2e")]
     try:
         assert asyncio.run(tier.put(keys, [expected_bytes(k) for k in keys])) == [True] * len(keys)
         assert set(os.listdir(tmp_path)) == outside | {"cache"}
@@ -189,7 +195,7 @@ def test_writes_with_hostile_hashes_stay_inside(tmp_path: Path) -> None:
         asyncio.run(tier.close())
 
 
-# --- Redis secrets ---------------------------------------------------------------------------------------------
+# --- Redis secrets ------------------------------------------------------------------------------------------
 SECRET = "s3cr3t-Pa55word-93f1c7"
 WRONG = "wr0ng-Pa55word-55e2a0"
 
@@ -264,7 +270,8 @@ def test_password_and_acl_user_from_the_environment_never_reach_the_logs(
     monkeypatch.setenv("KVTIER_TEST_WRONG_PASSWORD", WRONG)
     caplog.set_level(logging.DEBUG)
     keys = universe(6, tag="acl")
-    for password, works in (("${KVTIER_TEST_REDIS_PASSWORD}", True), ("${KVTIER_TEST_WRONG_PASSWORD}", False)):
+    for password, works in (("${KVTIER_TEST_REDIS_PASSWORD}", True),
+                            ("${KVTIER_TEST_WRONG_PASSWORD}", False)):
         redis = {"url": f"redis://127.0.0.1:{server.port}/0", "username": "kvtier", "password": password,
                  "timeout": 1.0, "connect_timeout": 1.0}
         oracle = Oracle()
@@ -318,8 +325,9 @@ def test_tls_with_a_password_from_the_environment(redis_servers: Any, tmp_path: 
     ca, cert, key = make_test_certificates(tmp_path)
 
     port = free_port()
-    server = RedisProcess(port, tmp_path / "tls", ["--port", "0", "--tls-port", str(port), "--tls-cert-file",
-                                                   str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+    server = RedisProcess(port, tmp_path / "tls", ["--port", "0", "--tls-port", str(port),
+                                                   "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                                                   "--tls-ca-cert-file", str(ca),
                                                    "--tls-auth-clients", "no", "--requirepass", SECRET])
     server.start(wait=False)
     try:

@@ -43,7 +43,8 @@ from tests.reliability.conftest import (
 ERRNO = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO}
 
 
-def _background(cache: TieredCache, oracle: Oracle, keys: list[Any], seconds: float, seed: int) -> threading.Thread:
+def _background(cache: TieredCache, oracle: Oracle, keys: list[Any], seconds: float,
+                seed: int) -> threading.Thread:
     thread = threading.Thread(target=run_workload, args=(cache, oracle, keys),
                               kwargs={"threads": 8, "seconds": seconds, "seed": seed}, daemon=True)
     thread.start()
@@ -57,7 +58,8 @@ def scenario_syscall_fault(workdir: Path, seconds: float, syscall: str, error: s
     Time to recover: from healing until the file tier completes a write (write faults) or serves a
     read (read faults) again.
     """
-    name = f"{error} on {syscall}, {rate:.0%} of calls" if rate < 1 else f"{error} on every {syscall} (disk full)"
+    name = (f"{error} on {syscall}, {rate:.0%} of calls" if rate < 1
+            else f"{error} on every {syscall} (disk full)")
     oracle = Oracle()
     keys = universe(64, tag=f"{name}-{seed}")
     cfg = cache_config(file_dir=workdir / "files", cpu_blocks=4, file_blocks=24)
@@ -117,7 +119,8 @@ def test_injected_io_errors_are_failed_stores_or_misses(tmp_path: Path, syscall:
 
 # --- damaged and deleted files ------------------------------------------------------------------------------
 def scenario_damaged_files(workdir: Path, seconds: float, seed: int = 0,
-                           kinds: tuple[str, ...] = (*CORRUPTIONS, "delete", "delete_shard", "delete_namespace"),
+                           kinds: tuple[str, ...] = (*CORRUPTIONS, "delete", "delete_shard",
+                                                     "delete_namespace"),
                            name: str = "bit flips, truncation, forged headers, deletions in files"
                            ) -> tuple[FaultRow, list[str]]:
     """A thread damages, forges or deletes block files (and whole directories) while 8 threads work.
@@ -162,8 +165,10 @@ def scenario_damaged_files(workdir: Path, seconds: float, seed: int = 0,
     if recover is None:
         problems.append("the file tier did not store again after the damage stopped")
     row = FaultRow.from_oracle(name, oracle, recover,
-                               note=f"{sum(done.values())} damages ({', '.join(f'{k} {v}' for k, v in sorted(done.items()))}); "
-                                    f"{lost} blocks found damaged or gone and dropped; {warnings.count} warning lines logged")
+                               note=f"{sum(done.values())} damages "
+                                    f"({', '.join(f'{k} {v}' for k, v in sorted(done.items()))}); "
+                                    f"{lost} blocks found damaged or gone and dropped; "
+                                    f"{warnings.count} warning lines logged")
     return row, problems
 
 
@@ -271,7 +276,8 @@ def test_namespace_directory_removed_under_a_running_cache(tmp_path: Path) -> No
     the very next demotions are stored again (the tier makes its namespace directory again)."""
     oracle = Oracle()
     keys = universe(12, tag="rm-rf")
-    with TieredCache.from_config(cache_config(file_dir=tmp_path / "files", cpu_blocks=1, file_blocks=16)) as cache:
+    cfg = cache_config(file_dir=tmp_path / "files", cpu_blocks=1, file_blocks=16)
+    with TieredCache.from_config(cfg) as cache:
         for i in range(6):
             oracle.store(cache, keys[i:i + 1])
         tier = cache.core.tiers[1]
