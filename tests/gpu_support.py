@@ -24,7 +24,8 @@ def gpu_unavailable_reason() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA device: torch.cuda.is_available() is False"
     if importlib.util.find_spec("cupy") is None:
-        return "needs CuPy: pip install 'kvtier[cuda]' (or the cupy-cudaXXx wheel matching this machine's CUDA)"
+        return ("needs CuPy: pip install 'kvtier[cuda]' "
+                "(or the cupy-cudaXXx wheel matching this machine's CUDA)")
     return None
 
 

@@ -63,7 +63,8 @@ def test_eviction_demotes_to_the_file_tier_and_hits_are_promoted(two_tier_config
         assert cache.core.residency.locate(keys[0]) == 0
 
 
-def test_capacity_is_never_exceeded_and_everything_stored_stays_exact(two_tier_config: dict[str, Any]) -> None:
+def test_capacity_is_never_exceeded_and_everything_stored_stays_exact(
+        two_tier_config: dict[str, Any]) -> None:
     layout = small_layout()
     keys, blocks = make_keys(40), random_blocks(40, layout, seed=2)
     with TieredCache.from_config(two_tier_config) as cache:
@@ -199,7 +200,8 @@ def test_submit_returns_futures(two_tier_config: dict[str, Any]) -> None:
 
 def test_multiple_groups_with_their_own_block_sizes(tmp_path: Path) -> None:
     cfg = {"model": {"name": "hybrid", "num_layers": 2, "num_kv_heads": 2, "head_dim": 32},
-           "hash_block_size": 16, "groups": [{"block_size": 16}, {"block_size": 32, "name": "sliding_window"}],
+           "hash_block_size": 16,
+           "groups": [{"block_size": 16}, {"block_size": 32, "name": "sliding_window"}],
            "tiers": [{"type": "cpu", "capacity": "1MiB"},
                      {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]}
     with TieredCache.from_config(cfg) as cache:
@@ -268,7 +270,8 @@ def test_read_leased_counts_hits_and_refuses_an_unleased_block(two_tier_config: 
         assert stats.tiers[0].hits == 1 and stats.loaded_blocks == 1
 
 
-def test_leases_from_many_threads_hold_under_concurrent_stores_and_loads(two_tier_config: dict[str, Any]) -> None:
+def test_leases_from_many_threads_hold_under_concurrent_stores_and_loads(
+        two_tier_config: dict[str, Any]) -> None:
     layout = small_layout()
     block = layout.nbytes
     two_tier_config["tiers"][0]["capacity"] = 8 * block

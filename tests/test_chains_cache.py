@@ -1,4 +1,5 @@
-"""Chains through TieredCache: predecessors reach eviction, survive a file-tier restart, bad data is harmless."""
+"""Chains through TieredCache: predecessors reach eviction, survive a file-tier restart, bad data is
+harmless."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from tests.helpers import SMALL_MODEL, make_keys, random_blocks, small_layout
 
 def _file_only(tmp_path: Path, blocks: int) -> dict[str, Any]:
     return {"model": dict(SMALL_MODEL), "hash_block_size": 16,
-            "tiers": [{"type": "file", "path": str(tmp_path / "files"), "capacity": blocks * small_layout().nbytes}]}
+            "tiers": [{"type": "file", "path": str(tmp_path / "files"),
+                       "capacity": blocks * small_layout().nbytes}]}
 
 
 def _chain(keys: list[Any]) -> list[Any]:
@@ -81,5 +83,6 @@ def test_bad_predecessor_data(two_tier_config: dict[str, Any]) -> None:
         assert cache.store(keys, random_blocks(3, layout), predecessors=cycle) == 3
         assert cache.store(keys[:1], random_blocks(1, layout), predecessors=[keys[0]]) == 1
         more = make_keys(12, start=200)
-        assert cache.store(more, random_blocks(12, layout), predecessors=[make_keys(1, start=999)[0]] * 12) == 12
+        assert cache.store(more, random_blocks(12, layout),
+                           predecessors=[make_keys(1, start=999)[0]] * 12) == 12
         assert cache.lookup(more[-4:]) == 4  # the newest are in the top tier, the rest demoted

@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_demo_runs_end_to_end_and_verifies_every_block(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "demo", "--quiet", "--dir", str(tmp_path), "--conversations", "4",
-         "--turns", "3", "--system-tokens", "256", "--turn-tokens", "64"],
+        [sys.executable, "-m", "kvtier.cli", "demo", "--quiet", "--dir", str(tmp_path),
+         "--conversations", "4", "--turns", "3", "--system-tokens", "256", "--turn-tokens", "64"],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bit-exact" in proc.stdout
@@ -37,7 +37,8 @@ tiers:
     assert "demoted" in out
 
 
-def test_demo_shows_the_policy_table_and_plot_of_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_shows_the_policy_table_and_plot_of_a_trace(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "tiny.yaml"
     config.write_text("""
 model: {name: tiny, num_layers: 2, num_kv_heads: 2, head_dim: 64}

@@ -44,7 +44,8 @@ sys.exit(code)
 """
 
 
-def run_kvtier(*args: str, blocked: tuple[str, ...] = (), cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_kvtier(*args: str, blocked: tuple[str, ...] = (),
+               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-c", _RUNNER, ",".join(blocked), *args], capture_output=True,
@@ -57,7 +58,7 @@ def write_config(path: Path, text: str) -> Path:
     return path
 
 
-# --- item 8: text is text, and every problem is printed ---------------------------------------------------------
+# --- item 8: text is text, and every problem is printed -----------------------------------------------------
 def test_brackets_in_paths_and_values_are_printed_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
@@ -70,7 +71,8 @@ def test_brackets_in_paths_and_values_are_printed_as_written(tmp_path: Path, mon
     assert "[red]files" in out and "[bold]ram" in out
 
 
-def test_a_trace_name_with_brackets_is_printed_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_trace_name_with_brackets_is_printed_as_written(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     import shutil
 
     trace = tmp_path / "[red]tiny.jsonl"
@@ -79,10 +81,12 @@ def test_a_trace_name_with_brackets_is_printed_as_written(tmp_path: Path, capsys
     assert "[red]tiny" in capsys.readouterr().out
 
 
-def test_check_prints_every_problem_with_its_key_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = write_config(tmp_path / "bad.yaml", "model: {name: m, num_layers: 0, num_kv_heads: 2, head_dim: 8}\n"
-                                              "tiers:\n  - {type: cpu, capacity: '[red]lots'}\n"
-                                              "  - {type: file, path: /tmp/x, capacity: 1GiB, evction: lru}\n")
+def test_check_prints_every_problem_with_its_key_path(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path / "bad.yaml",
+                       "model: {name: m, num_layers: 0, num_kv_heads: 2, head_dim: 8}\n"
+                       "tiers:\n  - {type: cpu, capacity: '[red]lots'}\n"
+                       "  - {type: file, path: /tmp/x, capacity: 1GiB, evction: lru}\n")
     assert main(["check", str(cfg)]) == 2
     out = capsys.readouterr().out
     assert "3 problems" in out
@@ -93,10 +97,11 @@ def test_check_prints_every_problem_with_its_key_path(tmp_path: Path, capsys: py
     assert any(line.startswith("tiers[1].evction: Extra inputs are not permitted") for line in lines)
 
 
-# --- item 7 through the command ----------------------------------------------------------------------------------
+# --- item 7 through the command -----------------------------------------------------------------------------
 @pytest.mark.parametrize(("tiers", "expected"), [
     ("  - {type: cpu, capacity: 0}\n", "tiers[0].capacity: Value error, a tier of 0 bytes stores nothing"),
-    ("  - {type: cpu, capacity: 0.5}\n", "tiers[0].capacity: Value error, a size in bytes must be a whole number"),
+    ("  - {type: cpu, capacity: 0.5}\n",
+     "tiers[0].capacity: Value error, a size in bytes must be a whole number"),
     ("  - {type: cpu, capacity: 1KiB}\n", "tiers[0].capacity: 1024 bytes holds no block"),
     ("  - {type: file, path: '${KVTIER_TEST_UNSET}/x', capacity: 1GiB}\n",
      "tiers[0].path: Value error, environment variable KVTIER_TEST_UNSET is not set"),
@@ -117,22 +122,27 @@ def test_check_refuses_an_empty_group_list(tmp_path: Path, capsys: pytest.Captur
     assert "groups: Value error, an empty list of KV-cache groups stores nothing" in capsys.readouterr().out
 
 
-# --- item 6 (check side): capacities this machine cannot hold -------------------------------------------------------
+# --- item 6 (check side): capacities this machine cannot hold -----------------------------------------------
 def test_check_warns_when_a_capacity_exceeds_free_disk_or_memory(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = write_config(tmp_path / "big.yaml", TINY_MODEL + f"tiers:\n  - {{type: cpu, capacity: 900TiB}}\n"
-                                                           f"  - {{type: file, path: {tmp_path / 'a'}, capacity: 500TiB}}\n"
-                                                           f"  - {{type: file, name: b, path: {tmp_path / 'b'}, capacity: 500TiB}}\n")
-    assert main(["check", str(cfg)]) == 0  # a warning, not an error: the disk may grow, other tiers may shrink
+    cfg = write_config(tmp_path / "big.yaml",
+                       TINY_MODEL + f"tiers:\n  - {{type: cpu, capacity: 900TiB}}\n"
+                                    f"  - {{type: file, path: {tmp_path / 'a'}, capacity: 500TiB}}\n"
+                                    f"  - {{type: file, name: b, path: {tmp_path / 'b'}, "
+                                    f"capacity: 500TiB}}\n")
+    # a warning, not an error: the disk may grow, other tiers may shrink
+    assert main(["check", str(cfg)]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "warning tiers[0].capacity: 900.00 TiB is more than the" in out and "of memory available now" in out
+    assert "warning tiers[0].capacity: 900.00 TiB is more than the" in out
+    assert "of memory available now" in out
     assert "warning tiers[1].capacity, tiers[2].capacity: 1000.00 TiB is more than the" in out
     assert "free on the filesystem of" in out
 
 
 def test_check_is_quiet_about_capacities_that_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = write_config(tmp_path / "small.yaml", TINY_MODEL + f"tiers:\n  - {{type: cpu, capacity: 1MiB}}\n"
-                                                             f"  - {{type: file, path: {tmp_path / 'f'}, capacity: 1MiB}}\n")
+    cfg = write_config(tmp_path / "small.yaml",
+                       TINY_MODEL + f"tiers:\n  - {{type: cpu, capacity: 1MiB}}\n"
+                                    f"  - {{type: file, path: {tmp_path / 'f'}, capacity: 1MiB}}\n")
     assert main(["check", str(cfg)]) == 0
     assert "warning" not in capsys.readouterr().out
 
@@ -150,13 +160,14 @@ def test_blocks_already_on_disk_count_as_room(tmp_path: Path, capsys: pytest.Cap
         capacity = free_disk(tmp_path)[1] + (128 << 20)
         cfg = load_config(TINY_MODEL + f"tiers: [{{type: file, path: {tmp_path}, capacity: {capacity}}}]\n")
         assert capacity_warnings(cfg, "ns") == []  # that space is the tier's own
-        over = load_config(TINY_MODEL + f"tiers: [{{type: file, path: {tmp_path}, capacity: {capacity + (512 << 20)}}}]\n")
+        over = load_config(TINY_MODEL + f"tiers: [{{type: file, path: {tmp_path}, "
+                                        f"capacity: {capacity + (512 << 20)}}}]\n")
         assert len(capacity_warnings(over, "ns")) == 1  # but not twice as much again
     finally:
         (tmp_path / "ns" / "g0" / "blocks").unlink()
 
 
-# --- item 9: demo, replay --plot, stats ---------------------------------------------------------------------------
+# --- item 9: demo, replay --plot, stats ---------------------------------------------------------------------
 @pytest.mark.parametrize(("args", "expected"), [
     (["--conversations", "0"], "argument --conversations: must be at least 1, got 0"),
     (["--conversations", "-3"], "argument --conversations: must be at least 1, got -3"),
@@ -184,9 +195,10 @@ def test_demo_refuses_a_file_as_its_directory(tmp_path: Path, capsys: pytest.Cap
 
 def test_demo_config_with_dir_puts_each_file_tier_under_dir(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    config = write_config(tmp_path / "tiny.yaml", TINY_MODEL + f"tiers:\n  - {{type: cpu, capacity: 64KiB}}\n"
-                                                               f"  - {{type: file, name: nvme, path: {tmp_path / 'production'}, "
-                                                               f"capacity: 4MiB}}\n")
+    config = write_config(tmp_path / "tiny.yaml",
+                          TINY_MODEL + f"tiers:\n  - {{type: cpu, capacity: 64KiB}}\n"
+                                       f"  - {{type: file, name: nvme, path: {tmp_path / 'production'}, "
+                                       f"capacity: 4MiB}}\n")
     assert main(["demo", "--quiet", "--config", str(config), "--dir", str(tmp_path / "trial"),
                  "--conversations", "3", "--turns", "3"]) == 0
     out = capsys.readouterr().out
@@ -213,14 +225,16 @@ def test_replay_checks_the_plot_target_before_replaying(tmp_path: Path, capsys: 
                                                         plot: str, expected: str) -> None:
     (tmp_path / "a-file").write_text("")
     # the trace does not exist: a plot checked only after the replay would report the trace instead
-    assert main(["replay", str(tmp_path / "missing.jsonl"), "--plot", f"{tmp_path}/{plot}", "--no-progress"]) == 2
+    assert main(["replay", str(tmp_path / "missing.jsonl"), "--plot", f"{tmp_path}/{plot}",
+                 "--no-progress"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert f"--plot {expected.format(d=tmp_path)}" in err
     assert "bad trace" not in err
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
-def test_replay_refuses_a_plot_in_a_folder_it_cannot_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_replay_refuses_a_plot_in_a_folder_it_cannot_write(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     assert main(["replay", str(tmp_path / "missing.jsonl"), "--plot", str(locked / "p.png")]) == 2
@@ -233,7 +247,8 @@ def test_stats_dir_finds_the_file_tier_under_a_demo_directory(tmp_path: Path,
     from tests.helpers import make_keys, random_blocks, small_layout
 
     tier_path = tmp_path / "kvtier-files"  # where `kvtier demo --dir` puts its file tier
-    with TieredCache.from_config(TINY_MODEL + f"tiers: [{{type: file, path: {tier_path}, capacity: 1MiB}}]\n") as cache:
+    cfg = TINY_MODEL + f"tiers: [{{type: file, path: {tier_path}, capacity: 1MiB}}]\n"
+    with TieredCache.from_config(cfg) as cache:
         assert cache.store(make_keys(3), random_blocks(3, small_layout())) == 3
         namespace = cache.core.namespace.id  # type: ignore[union-attr]
     assert main(["stats", "--dir", str(tmp_path), "--json"]) == 0
@@ -251,7 +266,8 @@ def test_stats_dir_without_a_tier_says_so(tmp_path: Path, capsys: pytest.Capture
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:9400/metrics", "localhost:9400", "file:///etc/passwd", "http://"])
-def test_stats_url_without_http_is_a_one_line_usage_error(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_stats_url_without_http_is_a_one_line_usage_error(url: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["stats", "--url", url]) == 2
     out = capsys.readouterr().out.strip()
     assert out == f"--url expected a metrics endpoint like http://127.0.0.1:9400/metrics, got {url!r}"
@@ -259,7 +275,8 @@ def test_stats_url_without_http_is_a_one_line_usage_error(url: str, capsys: pyte
 
 @pytest.fixture
 def web_server(tmp_path: Path) -> Iterator[str]:
-    """A plain HTTP server on loopback: ``/`` is an HTML page, ``/other`` Prometheus text of another program."""
+    """A plain HTTP server on loopback: ``/`` is an HTML page, ``/other`` Prometheus text of another
+    program."""
     (tmp_path / "index.html").write_text("<html><body><h1>Not metrics</h1></body></html>")
     (tmp_path / "other").write_text("# TYPE http_requests_total counter\nhttp_requests_total 7\n")
 
@@ -291,19 +308,21 @@ def test_stats_url_that_serves_no_kvtier_metrics_is_a_one_line_error(
     assert expected in out and len(out.splitlines()) == 1
 
 
-# --- item 10: optional packages -------------------------------------------------------------------------------
+# --- item 10: optional packages -----------------------------------------------------------------------------
 def test_check_names_the_redis_extra_when_redis_is_not_installed(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "r.yaml", TINY_MODEL + "tiers:\n  - {type: cpu, capacity: 1MiB}\n"
                                                          "  - {type: redis, url: 'redis://127.0.0.1:6379/0'}\n")
     proc = run_kvtier("check", str(cfg), blocked=("redis",))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "tiers[1]: Value error, a redis tier needs the redis package, which is not installed: pip install " \
-           "'kvtier[redis]'" in " ".join(proc.stdout.split())
+    assert "tiers[1]: Value error, a redis tier needs the redis package, which is not installed: " \
+           "pip install 'kvtier[redis]'" in " ".join(proc.stdout.split())
     assert "Traceback" not in proc.stderr
 
 
-def test_building_a_redis_tier_without_redis_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Installed when the config was loaded, gone when the tier is built: still the extra, keyed by the tier."""
+def test_building_a_redis_tier_without_redis_names_the_extra(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installed when the config was loaded, gone when the tier is built: still the extra, keyed by the
+    tier."""
     from kvtier import KVTierConfigError, TieredCache, load_config
 
     cfg = load_config(TINY_MODEL + "tiers: [{type: cpu, capacity: 1MiB}, {type: redis, url: 'redis://127.0.0.1:1/0'}]\n")
@@ -316,12 +335,12 @@ def test_a_plot_without_matplotlib_names_the_extra_before_the_replay(tmp_path: P
     proc = run_kvtier("replay", str(tmp_path / "missing.jsonl"), "--plot", str(tmp_path / "p.png"),
                       blocked=("matplotlib",))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "--plot a plot needs the matplotlib package, which is not installed: pip install 'kvtier[plot]'" in \
-        " ".join(proc.stderr.split())
+    assert "--plot a plot needs the matplotlib package, which is not installed: " \
+        "pip install 'kvtier[plot]'" in " ".join(proc.stderr.split())
     assert "Traceback" not in proc.stderr and "bad trace" not in proc.stderr
 
 
-# --- item 11: --version, python -m kvtier, no torch for --help and check --------------------------------------------
+# --- item 11: --version, python -m kvtier, no torch for --help and check ------------------------------------
 def test_version_and_python_dash_m(capsys: pytest.CaptureFixture[str]) -> None:
     import kvtier
 
@@ -335,11 +354,12 @@ def test_version_and_python_dash_m(capsys: pytest.CaptureFixture[str]) -> None:
     assert (proc.returncode, proc.stdout.strip()) == (0, f"kvtier {kvtier.__version__}")
 
 
-@pytest.mark.parametrize("args", [["--help"], ["check", "--help"], ["check", "EXAMPLE"], ["check", "--vllm", "TIERS"],
-                                  ["check", "MISSING"]])
+@pytest.mark.parametrize("args", [["--help"], ["check", "--help"], ["check", "EXAMPLE"],
+                                  ["check", "--vllm", "TIERS"], ["check", "MISSING"]])
 def test_help_and_check_do_not_import_torch(tmp_path: Path, args: list[str]) -> None:
     tiers = write_config(tmp_path / "tiers.yaml", "tiers: [{type: cpu, capacity: 1GiB}]\n")
-    where = {"EXAMPLE": str(REPO / "examples" / "cpu_file.yaml"), "TIERS": str(tiers), "MISSING": str(tmp_path / "no.yaml")}
+    where = {"EXAMPLE": str(REPO / "examples" / "cpu_file.yaml"), "TIERS": str(tiers),
+             "MISSING": str(tmp_path / "no.yaml")}
     proc = run_kvtier(*(where.get(a, a) for a in args))
     assert proc.returncode in (0, 2), proc.stdout + proc.stderr
     assert "torch imported: False" in proc.stderr, proc.stderr
@@ -355,7 +375,7 @@ def test_the_public_api_resolves_lazily() -> None:
         kvtier.TieredCach  # type: ignore[attr-defined]  # noqa: B018
 
 
-# --- item 12: a tiers-only config for vLLM; "pinned" only with CUDA --------------------------------------------------
+# --- item 12: a tiers-only config for vLLM; "pinned" only with CUDA -----------------------------------------
 def test_check_vllm_accepts_a_tiers_only_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = write_config(tmp_path / "vllm.yaml", f"tiers:\n  - {{type: cpu, capacity: 8GiB}}\n"
                                                f"  - {{type: file, path: {tmp_path / 'f'}, capacity: 1GiB}}\n"
@@ -371,7 +391,8 @@ def test_check_vllm_accepts_a_tiers_only_config(tmp_path: Path, capsys: pytest.C
     named = write_config(tmp_path / "named.yaml", "model: {name: my-llama}\n" + cfg.read_text())
     assert main(["check", "--vllm", str(named)]) == 0  # the connector takes the rest of `model` from vLLM
     capsys.readouterr()
-    clash = write_config(tmp_path / "clash.yaml", "model: {name: m, mla: true, num_kv_heads: 8}\n" + cfg.read_text())
+    clash = write_config(tmp_path / "clash.yaml",
+                         "model: {name: m, mla: true, num_kv_heads: 8}\n" + cfg.read_text())
     assert main(["check", "--vllm", str(clash)]) == 2
     assert "model.mla is true, so model.num_kv_heads must be 1" in capsys.readouterr().out
 
@@ -390,9 +411,11 @@ def test_check_vllm_still_refuses_bad_tiers_and_warns_about_keys_the_engine_sets
     assert "warning groups: set by the vLLM engine; the value here is replaced at start-up" in out
 
 
-def test_check_says_pinned_only_where_cuda_is_present(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = write_config(tmp_path / "cpu.yaml", TINY_MODEL + "tiers:\n  - {type: cpu, capacity: 1MiB}\n"
-                                                           "  - {type: cpu, name: plain, capacity: 1MiB, pinned: false}\n")
+def test_check_says_pinned_only_where_cuda_is_present(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path / "cpu.yaml",
+                       TINY_MODEL + "tiers:\n  - {type: cpu, capacity: 1MiB}\n"
+                                    "  - {type: cpu, name: plain, capacity: 1MiB, pinned: false}\n")
     assert main(["check", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert out.count("pinned host memory") == (1 if torch.cuda.is_available() else 0)

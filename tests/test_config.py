@@ -99,7 +99,8 @@ def test_gpu_tier_without_cuda_names_the_tier(tmp_path: Path) -> None:
 
 def gpu_config(tmp_path: Path, **transfer: Any) -> dict[str, Any]:
     cfg = base(tmp_path)
-    cfg["tiers"].insert(0, {"type": "gpu", "capacity": "1GiB", **({"transfer": transfer} if transfer else {})})
+    cfg["tiers"].insert(0, {"type": "gpu", "capacity": "1GiB",
+                            **({"transfer": transfer} if transfer else {})})
     return cfg
 
 
@@ -127,7 +128,8 @@ tiers:
 
 
 @pytest.mark.parametrize(("transfer", "expected"), [
-    ({"method": "dma"}, "tiers[0].transfer.method: Input should be 'auto', 'kernel' or 'copy_engine' (got 'dma')"),
+    ({"method": "dma"},
+     "tiers[0].transfer.method: Input should be 'auto', 'kernel' or 'copy_engine' (got 'dma')"),
     ({"crossover": "12 bananas"}, "tiers[0].transfer.crossover: Value error, expected a size like '8GiB'"),
     ({"crossover": -1}, "tiers[0].transfer.crossover: Value error, size must not be negative"),
     ({"crosover": "64KiB"}, "tiers[0].transfer.crosover: Extra inputs are not permitted"),
@@ -166,17 +168,21 @@ def test_gpu_tier_is_built_with_its_transfer_choice(tmp_path: Path, monkeypatch:
     assert tiers[0].transfer == TransferChoice("kernel", 1 << 20)
 
 
-# --- configs that would store nothing, or somewhere else than meant (issue 13, item 7) -----------------------
+# --- configs that would store nothing, or somewhere else than meant (issue 13, item 7) ----------------------
 @pytest.mark.parametrize(("mutate", "expected"), [
-    (lambda c: c["tiers"][0].update(capacity=0), "tiers[0].capacity: Value error, a tier of 0 bytes stores nothing"),
+    (lambda c: c["tiers"][0].update(capacity=0),
+     "tiers[0].capacity: Value error, a tier of 0 bytes stores nothing"),
     (lambda c: c["tiers"][1].update(capacity="0 GiB"), "tiers[1].capacity: Value error, a tier of 0 bytes"),
-    (lambda c: c["tiers"][0].update(capacity=0.5), "tiers[0].capacity: Value error, a size in bytes must be a whole"),
-    (lambda c: c["tiers"][0].update(capacity="0.5"), "tiers[0].capacity: Value error, a size in bytes must be a whole"),
+    (lambda c: c["tiers"][0].update(capacity=0.5),
+     "tiers[0].capacity: Value error, a size in bytes must be a whole"),
+    (lambda c: c["tiers"][0].update(capacity="0.5"),
+     "tiers[0].capacity: Value error, a size in bytes must be a whole"),
     (lambda c: c["tiers"][0].update(capacity="8KiB"), "tiers[0].capacity: 8192 bytes holds no block"),
     (lambda c: c["tiers"][1].update(capacity=16383), "tiers[1].capacity: 16383 bytes holds no block"),
     (lambda c: c.update(groups=[]), "groups: Value error, an empty list of KV-cache groups stores nothing"),
 ])
-def test_a_config_that_stores_nothing_is_an_error_naming_the_key(tmp_path: Path, mutate: Any, expected: str) -> None:
+def test_a_config_that_stores_nothing_is_an_error_naming_the_key(tmp_path: Path, mutate: Any,
+                                                                 expected: str) -> None:
     cfg = base(tmp_path)  # SMALL_MODEL: 16 KiB blocks
     mutate(cfg)
     assert error_for(cfg).startswith(expected)
@@ -195,14 +201,16 @@ def test_every_group_must_fit_once(tmp_path: Path) -> None:
     cfg["groups"] = [{"block_size": 16}, {"block_size": 16, "name": "sliding", "num_layers": 1}]
     cfg["tiers"][0]["capacity"] = 16384 + 8192 - 1  # one block of group 0 fits, not one of each group
     message = error_for(cfg)
-    assert message.startswith("tiers[0].capacity: 24575 bytes holds no block: one block of every KV-cache group "
-                              "takes 24576 bytes")
+    assert message.startswith("tiers[0].capacity: 24575 bytes holds no block: "
+                              "one block of every KV-cache group takes 24576 bytes")
 
 
 def test_two_file_tiers_on_one_directory_is_an_error(tmp_path: Path) -> None:
     cfg = base(tmp_path)
-    cfg["tiers"].append({"type": "file", "name": "again", "path": str(tmp_path / "x" / ".."), "capacity": "1GiB"})
-    assert error_for(cfg).startswith(f"tiers[2].path: '{tmp_path / 'x' / '..'}' is also the directory of tiers[1]")
+    cfg["tiers"].append({"type": "file", "name": "again", "path": str(tmp_path / "x" / ".."),
+                         "capacity": "1GiB"})
+    assert error_for(cfg).startswith(f"tiers[2].path: '{tmp_path / 'x' / '..'}' "
+                                     "is also the directory of tiers[1]")
     cfg["tiers"][2]["path"] = str(tmp_path / "other")
     load_config(cfg)
 
@@ -216,7 +224,8 @@ def test_an_unset_variable_in_a_file_path_is_an_error_and_makes_no_directory(
     monkeypatch.chdir(tmp_path)
     cfg = base(tmp_path)
     cfg["tiers"][1]["path"] = f"{reference}/kvtier"
-    assert error_for(cfg).startswith("tiers[1].path: Value error, environment variable KVTIER_TEST_UNSET is not set")
+    assert error_for(cfg).startswith("tiers[1].path: Value error, "
+                                     "environment variable KVTIER_TEST_UNSET is not set")
     with pytest.raises(KVTierConfigError):
         TieredCache.from_config(cfg)
     assert list(tmp_path.iterdir()) == []
@@ -232,7 +241,7 @@ def test_a_file_path_expands_the_home_directory(tmp_path: Path, monkeypatch: pyt
     assert load_config(cfg).tiers[1].path == str(tmp_path / "kvtier")  # type: ignore[union-attr]
 
 
-# --- every problem, not only the first (item 8) ----------------------------------------------------------------
+# --- every problem, not only the first (item 8) -------------------------------------------------------------
 def test_the_error_lists_every_problem_with_its_key_path(tmp_path: Path) -> None:
     cfg = base(tmp_path)
     cfg["tiers"][0]["capacity"] = "lots"
@@ -243,7 +252,8 @@ def test_the_error_lists_every_problem_with_its_key_path(tmp_path: Path) -> None
     assert str(info.value).endswith("[and 2 more errors]")
     problems = info.value.problems
     assert len(problems) == 3
-    assert {p.split(":", 1)[0] for p in problems} == {"model.num_layers", "tiers[0].capacity", "tiers[1].evction"}
+    assert {p.split(":", 1)[0] for p in problems} == {"model.num_layers", "tiers[0].capacity",
+                                                      "tiers[1].evction"}
 
 
 def test_a_single_problem_is_its_own_list(tmp_path: Path) -> None:
@@ -254,22 +264,25 @@ def test_a_single_problem_is_its_own_list(tmp_path: Path) -> None:
     assert info.value.problems == (str(info.value),)
 
 
-# --- optional dependencies (item 10) ---------------------------------------------------------------------------
-def test_a_redis_tier_without_the_redis_package_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+# --- optional dependencies (item 10) ------------------------------------------------------------------------
+def test_a_redis_tier_without_the_redis_package_names_the_extra(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
     cfg = base(tmp_path)
     cfg["tiers"].append({"type": "redis", "url": "redis://127.0.0.1:6379/0"})
-    monkeypatch.setitem(sys.modules, "redis", None)  # what `import redis` sees when the package is not installed
+    # what `import redis` sees when the package is not installed
+    monkeypatch.setitem(sys.modules, "redis", None)
     message = error_for(cfg)
-    assert message.startswith("tiers[2]: Value error, a redis tier needs the redis package, which is not installed: "
-                              "pip install 'kvtier[redis]'")
+    assert message.startswith("tiers[2]: Value error, a redis tier needs the redis package, "
+                              "which is not installed: pip install 'kvtier[redis]'")
 
 
-# --- torch-free validation (item 11) ---------------------------------------------------------------------------
-@given(st.integers(1, 64), st.integers(1, 16), st.sampled_from([1, 64, 80, 128, 576]), st.sampled_from([1, 16, 64]),
-       st.sampled_from(["float16", "bf16", "fp32", "fp8", "float8_e5m2", "int8", "uint8"]), st.sampled_from([1, 2]),
-       st.sampled_from(["NHD", "HND"]))
+# --- torch-free validation (item 11) ------------------------------------------------------------------------
+@given(st.integers(1, 64), st.integers(1, 16), st.sampled_from([1, 64, 80, 128, 576]),
+       st.sampled_from([1, 16, 64]),
+       st.sampled_from(["float16", "bf16", "fp32", "fp8", "float8_e5m2", "int8", "uint8"]),
+       st.sampled_from([1, 2]), st.sampled_from(["NHD", "HND"]))
 def test_geometry_and_layout_agree_on_size_description_and_fingerprint(
         layers: int, heads: int, dim: int, tokens: int, dtype: str, kv: int, order: str) -> None:
     from kvtier.geometry import BlockGeometry, canonical_dtype
@@ -289,7 +302,8 @@ def test_the_torch_free_namespace_is_the_cache_namespace(tmp_path: Path) -> None
     cfg["groups"] = [{"block_size": 16}, {"block_size": 32, "name": "sliding", "num_layers": 1}]
     loaded = load_config(cfg)
     _, plans = plan_groups(loaded)
-    assert namespace_for(loaded, [(p.group_id, p.geometry) for p in plans]) == build_namespace(loaded, build_spec(loaded))
+    assert namespace_for(loaded, [(p.group_id, p.geometry) for p in plans]) == build_namespace(
+        loaded, build_spec(loaded))
 
 
 def test_the_layout_fingerprint_did_not_change() -> None:
@@ -310,20 +324,25 @@ def redis_config(tmp_path: Path, **redis: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(("redis", "expected"), [
     ({"url": "http://localhost"}, "tiers[2].url: Value error, expected redis://"),
     ({"url": "redis://127.0.0.1:port/0"}, "tiers[2].url: Value error, expected redis://"),
-    ({"cluster": True, "url": "redis://127.0.0.1:7000/3"}, "tiers[2]: Value error, a Redis Cluster has only database 0"),
+    ({"cluster": True, "url": "redis://127.0.0.1:7000/3"},
+     "tiers[2]: Value error, a Redis Cluster has only database 0"),
     ({"cluster": True, "startup_nodes": ["127.0.0.1:7000", "nohost"]},
      "tiers[2].startup_nodes[1]: Value error, expected host:port (got 'nohost')"),
     ({"cluster": True, "startup_nodes": []}, "tiers[2].startup_nodes: List should have at least 1 item"),
-    ({"startup_nodes": ["127.0.0.1:7000"]}, "tiers[2]: Value error, startup_nodes is given but cluster is false"),
+    ({"startup_nodes": ["127.0.0.1:7000"]},
+     "tiers[2]: Value error, startup_nodes is given but cluster is false"),
     ({"compression": "zstd"}, "tiers[2].compression: Input should be 'none' or 'lz4'"),
     ({"ttl_seconds": 0}, "tiers[2].ttl_seconds: Input should be greater than 0"),
     ({"ttl_seconds": True}, "tiers[2].ttl_seconds: Input should be a valid number"),
     ({"timeout": 0}, "tiers[2].timeout: Input should be greater than 0"),
     ({"max_connections": 0}, "tiers[2].max_connections: Input should be greater than 0"),
     ({"circuit_breaker": {"failure": 3}}, "tiers[2].circuit_breaker.failure: Extra inputs are not permitted"),
-    ({"circuit_breaker": {"failures": 0}}, "tiers[2].circuit_breaker.failures: Input should be greater than 0"),
-    ({"circuit_breaker": {"failures": True}}, "tiers[2].circuit_breaker.failures: Input should be a valid integer"),
-    ({"circuit_breaker": {"failures": 2.5}}, "tiers[2].circuit_breaker.failures: Input should be a valid integer"),
+    ({"circuit_breaker": {"failures": 0}},
+     "tiers[2].circuit_breaker.failures: Input should be greater than 0"),
+    ({"circuit_breaker": {"failures": True}},
+     "tiers[2].circuit_breaker.failures: Input should be a valid integer"),
+    ({"circuit_breaker": {"failures": 2.5}},
+     "tiers[2].circuit_breaker.failures: Input should be a valid integer"),
     ({"circuit_breaker": {"cooldown_seconds": -1}},
      "tiers[2].circuit_breaker.cooldown_seconds: Input should be greater than or equal to 0"),
 ])
@@ -347,14 +366,17 @@ def test_redis_settings_reach_the_tier_as_validated(tmp_path: Path) -> None:
     assert tier.breaker_config == CircuitBreakerConfig(failures=2, cooldown_seconds=0)
     assert tier.breaker_config is cfg.tiers[2].circuit_breaker  # type: ignore[union-attr]
 
-    cluster = load_config(redis_config(tmp_path, url=None, cluster=True, startup_nodes=["[::1]:7000", "10.0.0.2:7001"]))
+    cluster = load_config(redis_config(tmp_path, url=None, cluster=True,
+                                       startup_nodes=["[::1]:7000", "10.0.0.2:7001"]))
     _, tiers, _, _ = build_cache_parts(cluster)
     assert isinstance(tiers[2], RedisTier) and tiers[2].cluster
     assert [str(a) for a in tiers[2].startup_nodes] == ["::1:7000", "10.0.0.2:7001"]
 
 
-def test_redis_tier_without_redis_py_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The config (and a cache without a redis tier) needs no redis-py; building a redis tier names the extra."""
+def test_redis_tier_without_redis_py_is_a_config_error(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config (and a cache without a redis tier) needs no redis-py; building a redis tier names the
+    extra."""
     import sys
 
     from kvtier.config import build_cache_parts

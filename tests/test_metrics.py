@@ -49,7 +49,8 @@ def test_prometheus_endpoint_serves_per_tier_metrics(two_tier_config: dict[str, 
         assert rows["file"]["hits"] == 4 and rows["cpu"]["evictions"] == 8
 
 
-def test_stats_of_a_file_tier_directory(two_tier_config: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_stats_of_a_file_tier_directory(two_tier_config: dict[str, Any],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
     layout = small_layout()
     two_tier_config["placement"] = {"write_mode": "write_through"}
     with TieredCache.from_config(two_tier_config) as cache:

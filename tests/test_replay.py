@@ -178,7 +178,8 @@ def _brute_belady_bypass(flat: list[BlockKey], capacity: int) -> int:
        st.integers(1, 6))
 def test_belady_with_bypass_is_the_block_hit_optimum(requests: list[list[int]], capacity: int) -> None:
     keys = [BlockKey(i.to_bytes(8, "little"), 0) for i in range(13)]
-    trace = Trace("t", "synthetic", 16, [[keys[i] for i in r] for r in requests], [16 * len(r) for r in requests], 13)
+    trace = Trace("t", "synthetic", 16, [[keys[i] for i in r] for r in requests],
+                  [16 * len(r) for r in requests], 13)
     bypass = replay(trace, "belady", [capacity])
     assert bypass.block_hits == _brute_belady_bypass([k for r in trace.requests for k in r], capacity)
     assert bypass.tiers[0].written <= bypass.references - bypass.block_hits  # a bypassed miss writes nothing
@@ -213,7 +214,8 @@ def test_command_table_plot_and_tiers(tmp_path: Path, capsys: pytest.CaptureFixt
     (["--tiers", "1,2", "--admission", "third_sighting"], "--admission[1]"),
     (["--tiers", "1,2", "--promote-to", "5"], "promote_to"),
 ])
-def test_command_rejects_bad_arguments(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_command_rejects_bad_arguments(args: list[str], message: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", str(TINY), "--no-progress", *args]) == 2
     assert message in capsys.readouterr().err
 

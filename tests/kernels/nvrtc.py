@@ -57,8 +57,8 @@ class NvrtcResult:
         for line in self.log.splitlines():
             if match := re.search(r"Compiling entry function '(\w+)'", line):
                 name = match.group(1)
-            elif match := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
-                                    line):
+            elif match := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                                    r"(\d+) bytes spill loads", line):
                 stack, stores, loads = (int(group) for group in match.groups())
             elif (match := re.search(r"Used (\d+) registers", line)) and name:
                 found[name] = KernelResources(int(match.group(1)), stores, loads, stack)
@@ -120,11 +120,13 @@ def compile_source(library_path: Path, source: str, options: tuple[str, ...],
     """Compile ``source`` with the NVRTC at ``library_path``; the cubin when ``-arch=sm_XX``, else PTX."""
     library = ctypes.CDLL(str(library_path))
     program = ctypes.c_void_p()
-    _check(library, library.nvrtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(), 0, None, None),
+    _check(library, library.nvrtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(), 0,
+                                               None, None),
            "nvrtcCreateProgram")
     try:
         encoded = [option.encode() for option in options]
-        status = library.nvrtcCompileProgram(program, len(encoded), (ctypes.c_char_p * len(encoded))(*encoded))
+        status = library.nvrtcCompileProgram(program, len(encoded),
+                                             (ctypes.c_char_p * len(encoded))(*encoded))
         size = ctypes.c_size_t()
         _check(library, library.nvrtcGetProgramLogSize(program, ctypes.byref(size)), "nvrtcGetProgramLogSize")
         log = ctypes.create_string_buffer(size.value)
@@ -137,7 +139,8 @@ def compile_source(library_path: Path, source: str, options: tuple[str, ...],
             data = ctypes.create_string_buffer(size.value)
             _check(library, getattr(library, f"nvrtcGet{kind}")(program, data), f"nvrtcGet{kind}")
             output = data.raw
-        return NvrtcResult(_version(library), options, status == 0, log.value.decode(errors="replace"), output)
+        return NvrtcResult(_version(library), options, status == 0, log.value.decode(errors="replace"),
+                           output)
     finally:
         library.nvrtcDestroyProgram(ctypes.byref(program))
 
@@ -162,7 +165,8 @@ def main() -> int:
             for kernel, used in sorted(result.resources().items()):
                 spills = used.spill_stores + used.spill_loads
                 failed = failed or spills > 0
-                print(f"{label}: {kernel} {used.registers} registers, {used.spill_stores} bytes spill stores, "
+                print(f"{label}: {kernel} {used.registers} registers, "
+                      f"{used.spill_stores} bytes spill stores, "
                       f"{used.spill_loads} bytes spill loads{'  <- SPILLS' if spills else ''}")
     return 1 if failed else 0
 

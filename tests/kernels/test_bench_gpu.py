@@ -38,8 +38,10 @@ def paths(bench: ModuleType, cross: float, per_piece: float, pack: float) -> lis
     rows: list[dict[str, Any]] = [{"shape": "large pinned copy", "layout": "1024 MiB", "path": "copy engine",
                                    "store": 50.0, "load": 50.0}]
     for shape in bench.SHAPES:
-        for layout, method, speed in (("cross-layer", "copy_engine", cross), ("cross-layer", "kernel", cross - 1),
-                                      ("per-layer", "copy_engine", per_piece), ("per-layer", "kernel", pack)):
+        for layout, method, speed in (("cross-layer", "copy_engine", cross),
+                                      ("cross-layer", "kernel", cross - 1),
+                                      ("per-layer", "copy_engine", per_piece),
+                                      ("per-layer", "kernel", pack)):
             rows.append({"shape": shape, "layout": layout, "path": method, "method": method, "store": speed,
                          "load": speed})
     return rows
@@ -55,8 +57,10 @@ def test_crossover_is_where_the_copy_engine_stays_ahead(bench: ModuleType) -> No
 
 def test_report_meets_targets_when_the_numbers_do(bench: ModuleType) -> None:
     sweep = sweep_rows(bench, 64, 256 << 10) + sweep_rows(bench, 1024, 64 << 10)
-    lines, targets, crossover = bench.report(["# python benchmarks/bench_gpu.py"], {"store": 50.0, "load": 50.0},
-                                             paths(bench, cross=46.0, per_piece=5.0, pack=40.0), sweep, 1024)
+    lines, targets, crossover = bench.report(["# python benchmarks/bench_gpu.py"],
+                                             {"store": 50.0, "load": 50.0},
+                                             paths(bench, cross=46.0, per_piece=5.0, pack=40.0), sweep,
+                                             1024)
     assert crossover == 64 << 10
     assert len(targets) == 2 * 2 * len(bench.SHAPES) + 2 and all(met for _, met, _ in targets)
     text = "\n".join(lines)

@@ -13,7 +13,8 @@ from tests.gpu_support import requires_gpu
 
 
 def apply(runs: list[MemcpyRun], dst: torch.Tensor, src: torch.Tensor) -> None:
-    """What the copy engine does with ``runs``, on two byte arenas addressed from 0 (dst) and 1 << 40 (src)."""
+    """What the copy engine does with ``runs``, on two byte arenas addressed from 0 (dst) and 1 << 40
+    (src)."""
     for run in runs:
         s = run.src - (1 << 40)
         dst[run.dst:run.dst + run.num_bytes] = src[s:s + run.num_bytes]
@@ -22,7 +23,8 @@ def apply(runs: list[MemcpyRun], dst: torch.Tensor, src: torch.Tensor) -> None:
 def test_adjacent_pieces_merge_and_others_stay_apart() -> None:
     assert coalesce([0, 4, 8, 20, 24], [100, 104, 108, 50, 54], 4) == [
         MemcpyRun(0, 100, 12), MemcpyRun(20, 50, 8)]
-    assert coalesce([0, 4], [100, 200], 4) == [MemcpyRun(0, 100, 4), MemcpyRun(4, 200, 4)]  # only dst continues
+    # only dst continues
+    assert coalesce([0, 4], [100, 200], 4) == [MemcpyRun(0, 100, 4), MemcpyRun(4, 200, 4)]
     assert coalesce([8, 4], [104, 100], 4) == [MemcpyRun(8, 104, 4), MemcpyRun(4, 100, 4)]  # never reordered
     assert coalesce([], [], 4) == []
 
@@ -39,7 +41,8 @@ def test_refuses_mismatched_lists_and_empty_pieces() -> None:
 def test_runs_move_the_same_bytes_as_one_copy_per_piece(piece: int, pairs: list[tuple[int, int]]) -> None:
     dst = [d * piece for d, _ in pairs]
     src = [(1 << 40) + s * piece for _, s in pairs]
-    source = torch.randint(0, 256, (16 * piece,), dtype=torch.uint8, generator=torch.Generator().manual_seed(piece))
+    source = torch.randint(0, 256, (16 * piece,), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(piece))
     merged, single = torch.zeros(16 * piece, dtype=torch.uint8), torch.zeros(16 * piece, dtype=torch.uint8)
     runs = coalesce(dst, src, piece)
     apply(runs, merged, source)

@@ -26,7 +26,8 @@ CUDA = torch.cuda.is_available()
 def block_layout(per_layer: PerLayerLayout, token_layout: TokenLayout, dtype: torch.dtype = torch.float16,
                  head_dim: int = 8) -> BlockLayout:
     if per_layer.kind is PerLayerKind.MLA:
-        return BlockLayout(num_layers=3, num_kv_heads=1, head_dim=head_dim, block_size=4, dtype=dtype, kv_factor=1)
+        return BlockLayout(num_layers=3, num_kv_heads=1, head_dim=head_dim, block_size=4, dtype=dtype,
+                           kv_factor=1)
     return BlockLayout(num_layers=3, num_kv_heads=2, head_dim=head_dim, block_size=4, dtype=dtype,
                        token_layout=token_layout)
 
@@ -38,8 +39,8 @@ def arena_layers(per_layer: PerLayerLayout, block: BlockLayout, num_blocks: int,
     layer_bytes = torch.Size(shape).numel() * block.itemsize
     arena = torch.randint(0, 256, ((layer_bytes + gap) * block.num_layers,), dtype=torch.uint8,
                           generator=torch.Generator().manual_seed(seed))
-    layers = [arena[i * (layer_bytes + gap):i * (layer_bytes + gap) + layer_bytes].view(block.dtype).view(shape)
-              for i in range(block.num_layers)]
+    layers = [arena[i * (layer_bytes + gap):i * (layer_bytes + gap) + layer_bytes]
+              .view(block.dtype).view(shape) for i in range(block.num_layers)]
     return arena, layers
 
 
@@ -49,8 +50,8 @@ def arena_layers(per_layer: PerLayerLayout, block: BlockLayout, num_blocks: int,
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("source", sorted(p.name for p in KERNEL_DIR.glob("*.cu")))
 def test_kernel_compiles_for_sm90_without_spills(source: str, tmp_path: Path) -> None:
-    result = subprocess.run(["nvcc", "-arch=sm_90", "-O3", "-std=c++17", "-Xptxas", "-v,-warn-spills", "--cubin",
-                             "-o", str(tmp_path / "k.cubin"), str(KERNEL_DIR / source)],
+    result = subprocess.run(["nvcc", "-arch=sm_90", "-O3", "-std=c++17", "-Xptxas", "-v,-warn-spills",
+                             "--cubin", "-o", str(tmp_path / "k.cubin"), str(KERNEL_DIR / source)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert " bytes spill" in result.stderr
@@ -69,7 +70,8 @@ def test_every_shipped_source_is_listed() -> None:
 @pytest.mark.parametrize("per_layer", LAYOUTS, ids=lambda p: f"{p.kind.value}-{p.token_layout}")
 @pytest.mark.parametrize("token_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("head_dim", [8, 3])
-def test_kernel_addressing_equals_fallback_pack_and_unpack(per_layer: PerLayerLayout, token_layout: TokenLayout,
+def test_kernel_addressing_equals_fallback_pack_and_unpack(per_layer: PerLayerLayout,
+                                                           token_layout: TokenLayout,
                                                            head_dim: int) -> None:
     block = block_layout(per_layer, token_layout, head_dim=head_dim)
     arena, layers = arena_layers(per_layer, block, num_blocks=6, gap=50 + 2 * head_dim, seed=head_dim)
@@ -87,8 +89,10 @@ def test_kernel_addressing_equals_fallback_pack_and_unpack(per_layer: PerLayerLa
                             geometry.piece_bytes, out_stride,
                             *([geometry.row_bytes, geometry.engine_outer, geometry.engine_inner]
                               if geometry.rows > 1 else []))
-    engine, cross = cuda.piece_byte_addresses(geometry, ptrs, ids, 0, torch.arange(len(ids)), out_stride, unit)
-    for wide in (16, 4):  # wider units than alignment allows leave row tails: the same bytes, in another order
+    engine, cross = cuda.piece_byte_addresses(geometry, ptrs, ids, 0, torch.arange(len(ids)), out_stride,
+                                              unit)
+    # wider units than alignment allows leave row tails: the same bytes, in another order
+    for wide in (16, 4):
         wide_engine, wide_cross = cuda.piece_byte_addresses(geometry, ptrs, ids, 0, torch.arange(len(ids)),
                                                             out_stride, wide)
         assert torch.equal(torch.sort(wide_cross).values, torch.sort(cross).values)
@@ -134,10 +138,12 @@ def test_kernels_raise_tier_unavailable_without_cuda() -> None:
 
 
 def test_importing_kvtier_needs_no_cupy() -> None:
-    """Every GPU module imports without CuPy (and a gpu tier's config validates): CuPy loads at the first launch."""
+    """Every GPU module imports without CuPy (and a gpu tier's config validates): CuPy loads at the first
+    launch."""
     code = ("import sys, kvtier, kvtier.kernels.cuda, kvtier.kernels.copy_engine, kvtier.tiers.gpu\n"
             "kvtier.load_config({'model': {'name': 'm', 'num_layers': 1, 'num_kv_heads': 1, 'head_dim': 8},\n"
-            "                    'tiers': [{'type': 'gpu', 'capacity': '1MiB', 'transfer': {'method': 'kernel'}}]})\n"
+            "                    'tiers': [{'type': 'gpu', 'capacity': '1MiB', "
+            "'transfer': {'method': 'kernel'}}]})\n"
             "sys.exit('cupy' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
@@ -151,14 +157,15 @@ def test_geometry_refuses_layers_with_different_strides() -> None:
         cuda.piece_geometry(layers, per_layer, block)
 
 
-# --- GPU: every launch equals the fallback bit for bit -------------------------------------------------------
+# --- GPU: every launch equals the fallback bit for bit ------------------------------------------------------
 
 
 @requires_gpu
 @pytest.mark.parametrize("per_layer", LAYOUTS, ids=lambda p: f"{p.kind.value}-{p.token_layout}")
 @pytest.mark.parametrize("token_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("pinned", [False, True])
-def test_gpu_pack_unpack_equal_fallback(per_layer: PerLayerLayout, token_layout: TokenLayout, pinned: bool) -> None:
+def test_gpu_pack_unpack_equal_fallback(per_layer: PerLayerLayout, token_layout: TokenLayout,
+                                        pinned: bool) -> None:
     block = block_layout(per_layer, token_layout, head_dim=64)
     _, cpu_layers = arena_layers(per_layer, block, num_blocks=9, gap=256, seed=1)
     layers = [layer.cuda() for layer in cpu_layers]
@@ -176,7 +183,8 @@ def test_gpu_pack_unpack_equal_fallback(per_layer: PerLayerLayout, token_layout:
     cuda.unpack_blocks(out, target, ids, per_layer, block)
     fallback.unpack_blocks(expected, reference, ids, per_layer, block)
     torch.cuda.synchronize()
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(target, reference, strict=True))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(target, reference, strict=True))
 
 
 @requires_gpu
@@ -196,8 +204,10 @@ def test_gpu_copy_blocks_equal_fallback_both_directions(block_bytes: int) -> Non
     assert torch.equal(back[3:6].cpu(), src[[5, 0, 7]].cpu())
 
 
-def test_reachable_asks_once_per_allocation_whether_it_is_page_locked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch of slot views of one slab costs one CUDA query, and any unreachable view makes it unreachable."""
+def test_reachable_asks_once_per_allocation_whether_it_is_page_locked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of slot views of one slab costs one CUDA query, and any unreachable view makes it
+    unreachable."""
     asked: list[int] = []
 
     def is_pinned(tensor: torch.Tensor) -> bool:
