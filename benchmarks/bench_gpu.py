@@ -16,7 +16,8 @@ the per-piece copy loop; kernel faster than the copy engine for blocks under 64 
 them with the command to ``--out`` (``gpu_<device>.md`` and ``.json``). Takes about a minute on an
 H200 with the defaults.
 
-Usage: python benchmarks/bench_gpu.py [--blocks 1024] [--repeat 3] [--limit-mib 1024] [--out benchmarks/results]
+Usage: python benchmarks/bench_gpu.py [--blocks 1024] [--repeat 3] [--limit-mib 1024]
+                                      [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def bench_path(block: BlockLayout, cross_layer: bool, method: str, num_blocks: i
     reference = [layer.clone() for layer in layers]
     fallback.unpack_blocks(expected, reference, load_ids, PER_LAYER, block)
     load = nbytes / timed(lambda: engine.load(slots, load_ids).wait(), repeat) / 1e9
-    if not all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(layers, reference, strict=True)):
+    if not all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+               for a, b in zip(layers, reference, strict=True)):
         raise SystemExit(f"load via {what} differs from the fallback")
     return store, load
 
@@ -166,8 +168,8 @@ def measured_crossover(sweep: list[dict[str, Any]], count: int) -> int | None:
     """Smallest swept block size from which the copy engine is at least as fast as the kernel both ways."""
     rows = sorted((row for row in sweep if row["count"] == count), key=lambda row: row["block_bytes"])
     for index, row in enumerate(rows):
-        if all(later["copy_engine_store"] >= later["kernel_store"] and later["copy_engine_load"] >= later["kernel_load"]
-               for later in rows[index:]):
+        if all(later["copy_engine_store"] >= later["kernel_store"]
+               and later["copy_engine_load"] >= later["kernel_load"] for later in rows[index:]):
             return int(row["block_bytes"])
     return None
 
@@ -177,24 +179,28 @@ def kib(num_bytes: int) -> str:
 
 
 def report(header: list[str], bandwidth: dict[str, float], paths: list[dict[str, Any]],
-           sweep: list[dict[str, Any]], blocks: int) -> tuple[list[str], list[tuple[str, bool, str]], int | None]:
-    """The tables, the issue's targets ``(name, met, measured)`` and the measured crossover, from the numbers."""
+           sweep: list[dict[str, Any]],
+           blocks: int) -> tuple[list[str], list[tuple[str, bool, str]], int | None]:
+    """The tables, the issue's targets ``(name, met, measured)`` and the measured crossover, from the
+    numbers."""
     from kvtier.tiers.gpu import DEFAULT_CROSSOVER_BYTES
 
     crossover = measured_crossover(sweep, blocks)
-    lines = [*header, "", f"| {'shape':<22} | {'layout':<11} | {'path':<27} | {'D2H GB/s':>8} | {'% limit':>7} "
-             f"| {'H2D GB/s':>8} | {'% limit':>7} |",
+    lines = [*header, "", f"| {'shape':<22} | {'layout':<11} | {'path':<27} | {'D2H GB/s':>8} "
+             f"| {'% limit':>7} | {'H2D GB/s':>8} | {'% limit':>7} |",
              f"|{'-' * 24}|{'-' * 13}|{'-' * 29}|{'-' * 10}|{'-' * 9}|{'-' * 10}|{'-' * 9}|"]
     for row in paths:
         lines.append(f"| {row['shape']:<22} | {row['layout']:<11} | {row['path']:<27} | {row['store']:8.1f} "
                      f"| {100 * row['store'] / bandwidth['store']:6.1f}% | {row['load']:8.1f} "
                      f"| {100 * row['load'] / bandwidth['load']:6.1f}% |")
-    lines += ["", "Crossover sweep: cross-layer blocks, copy kernel vs copy engine (one cudaMemcpyAsync per block), GB/s",
+    lines += ["", "Crossover sweep: cross-layer blocks, copy kernel vs copy engine "
+                  "(one cudaMemcpyAsync per block), GB/s",
               "", "| block | blocks/call | kernel D2H | engine D2H | kernel H2D | engine H2D |",
               "|------:|------------:|-----------:|-----------:|-----------:|-----------:|"]
     for row in sweep:
         lines.append(f"| {kib(row['block_bytes'])} | {row['count']} | {row['kernel_store']:.1f} "
-                     f"| {row['copy_engine_store']:.1f} | {row['kernel_load']:.1f} | {row['copy_engine_load']:.1f} |")
+                     f"| {row['copy_engine_store']:.1f} | {row['kernel_load']:.1f} "
+                     f"| {row['copy_engine_load']:.1f} |")
     lines += ["", f"measured crossover at {blocks} blocks/call: "
               + (f"{kib(crossover)} (configure `transfer: {{crossover: {kib(crossover).replace(' ', '')}}}`; "
                  f"built-in default {kib(DEFAULT_CROSSOVER_BYTES)})" if crossover is not None
@@ -204,16 +210,19 @@ def report(header: list[str], bandwidth: dict[str, float], paths: list[dict[str,
     for shape in SHAPES:
         rows = {(row["layout"], row["method"]): row for row in paths if row["shape"] == shape}
         for direction, name in (("store", "D2H"), ("load", "H2D")):
-            best = max(rows[("cross-layer", "copy_engine")][direction], rows[("cross-layer", "kernel")][direction])
+            best = max(rows[("cross-layer", "copy_engine")][direction],
+                       rows[("cross-layer", "kernel")][direction])
             share = best / bandwidth[direction]
-            targets.append((f"{shape} cross-layer {name} ≥ 90% of the limit", share >= 0.9, f"{100 * share:.1f}%"))
+            targets.append((f"{shape} cross-layer {name} ≥ 90% of the limit", share >= 0.9,
+                            f"{100 * share:.1f}%"))
             speedup = rows[("per-layer", "kernel")][direction] / rows[("per-layer", "copy_engine")][direction]
             targets.append((f"{shape} pack kernel {name} ≥ 4x the per-piece copy loop", speedup >= 4,
                             f"{speedup:.1f}x"))
     small = [row for row in sweep if row["block_bytes"] < SMALL_BLOCK_BYTES]
     for direction, name in (("store", "D2H"), ("load", "H2D")):
         worst = min(row[f"kernel_{direction}"] / row[f"copy_engine_{direction}"] for row in small)
-        targets.append((f"blocks < 64 KiB: kernel beats the copy engine {name}", worst > 1, f"worst {worst:.2f}x"))
+        targets.append((f"blocks < 64 KiB: kernel beats the copy engine {name}", worst > 1,
+                        f"worst {worst:.2f}x"))
     lines += ["", "| target | met | measured |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if met else 'NO'} | {value} |" for name, met, value in targets]
     return lines, targets, crossover
@@ -228,7 +237,8 @@ def main() -> None:
                         help="folder for gpu_<device>.md and gpu_<device>.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_gpu: no CUDA device (torch.cuda.is_available() is False); run it on a GPU machine")
+        raise SystemExit("bench_gpu: no CUDA device (torch.cuda.is_available() is False); "
+                         "run it on a GPU machine")
     from kvtier.kernels.cuda import require_cuda
 
     cupy = require_cuda()
@@ -237,19 +247,22 @@ def main() -> None:
     device_name = torch.cuda.get_device_name()
     header = [f"# {command}",
               f"# {device_name}, torch {torch.__version__}, CuPy {cupy.__version__}, CUDA runtime "
-              f"{torch.version.cuda}, {platform.node()}; {args.blocks} blocks each way, best of {args.repeat}"]
+              f"{torch.version.cuda}, {platform.node()}; {args.blocks} blocks each way, "
+              f"best of {args.repeat}"]
     print("\n".join(header), flush=True)
 
     bandwidth = limit(args.limit_mib << 20, args.repeat)
     paths: list[dict[str, Any]] = [{"shape": "large pinned copy", "layout": f"{args.limit_mib} MiB",
-                                    "path": "copy engine", "store": bandwidth["store"], "load": bandwidth["load"]}]
+                                    "path": "copy engine", "store": bandwidth["store"],
+                                    "load": bandwidth["load"]}]
     for shape, block in SHAPES.items():
         host = torch.empty((args.blocks, block.nbytes), dtype=torch.uint8, pin_memory=True)
         for cross_layer, layout in ((True, "cross-layer"), (False, "per-layer")):
             for method in ("copy_engine", "kernel"):
                 store, load = bench_path(block, cross_layer, method, args.blocks, host, args.repeat)
                 torch.cuda.empty_cache()
-                label = {"copy_engine": "cudaMemcpyAsync per block" if cross_layer else "cudaMemcpyAsync per piece",
+                label = {"copy_engine": ("cudaMemcpyAsync per block" if cross_layer
+                                         else "cudaMemcpyAsync per piece"),
                          "kernel": "copy kernel" if cross_layer else "pack/unpack kernel"}[method]
                 paths.append({"shape": shape, "layout": layout, "path": label, "method": method,
                               "block_bytes": block.nbytes, "store": store, "load": load})
@@ -260,7 +273,8 @@ def main() -> None:
     sweep: list[dict[str, Any]] = []
     for count in (SWEEP_SMALL_COUNT, args.blocks):
         for block_bytes in SWEEP_BYTES:
-            sweep.append({"block_bytes": block_bytes, "count": count, **sweep_point(block_bytes, count, args.repeat)})
+            sweep.append({"block_bytes": block_bytes, "count": count,
+                          **sweep_point(block_bytes, count, args.repeat)})
             torch.cuda.empty_cache()
         print(f"  crossover sweep at {count} blocks/call done", flush=True)
 
@@ -274,7 +288,8 @@ def main() -> None:
     (args.out / f"gpu_{slug}.json").write_text(json.dumps({
         "command": command, "device": device_name, "torch": torch.__version__, "cupy": cupy.__version__,
         "blocks": args.blocks, "repeat": args.repeat, "limit_gbps": bandwidth, "paths": paths, "sweep": sweep,
-        "crossover_bytes": crossover, "targets": [{"target": n, "met": m, "measured": v} for n, m, v in targets],
+        "crossover_bytes": crossover,
+        "targets": [{"target": n, "met": m, "measured": v} for n, m, v in targets],
     }, indent=1) + "\n")
     print(f"wrote {args.out / f'gpu_{slug}.md'} and .json")
 

@@ -36,7 +36,8 @@ def _config(root: Path, blocks: int, block_kib: int, persist: bool, cpu: bool) -
     tiers: list[dict[str, Any]] = [{"type": "file", "path": str(root), "capacity": 2 * blocks * block}]
     if cpu:
         tiers.insert(0, {"type": "cpu", "capacity": blocks * block})
-    return {"model": {"name": f"bench-persist-{block_kib}", "num_layers": 2, "num_kv_heads": heads, "head_dim": 64},
+    return {"model": {"name": f"bench-persist-{block_kib}", "num_layers": 2, "num_kv_heads": heads,
+                      "head_dim": 64},
             "hash_block_size": 16, "tiers": tiers,
             "placement": {"write_mode": "write_back", "persist_on_close": persist}}
 
@@ -44,7 +45,8 @@ def _config(root: Path, blocks: int, block_kib: int, persist: bool, cpu: bool) -
 def _blocks(cache: TieredCache, n: int) -> tuple[list[BlockKey], torch.Tensor]:
     layout = cache.spec.groups[0].layout
     keys = [BlockKey(i.to_bytes(16, "little"), 0) for i in range(n)]
-    data = torch.randint(0, 256, (n, layout.nbytes), dtype=torch.uint8).view(layout.dtype).view(n, *layout.shape)
+    data = (torch.randint(0, 256, (n, layout.nbytes), dtype=torch.uint8)
+            .view(layout.dtype).view(n, *layout.shape))
     return keys, data
 
 
@@ -90,7 +92,8 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
-    print(f"{args.blocks} blocks of {args.block_kib} KiB in the CPU tier, file tier in {args.dir or 'the current directory'}")
+    print(f"{args.blocks} blocks of {args.block_kib} KiB in the CPU tier, "
+          f"file tier in {args.dir or 'the current directory'}")
     print()
     print("| shutdown | seconds | MiB written | GB/s |")
     print("|---|---:|---:|---:|")

@@ -80,9 +80,11 @@ def scenarios(with_redis: bool) -> list[tuple[str, Runner]]:
     """(name, runner(workdir, seconds, seed)) for every scenario of the suite."""
     out: list[tuple[str, Runner]] = [
         ("8 threads, cpu+file, inclusive",
-         lambda d, t, seed: test_concurrency.scenario_threads(d, t, name="8 threads, cpu+file, inclusive", seed=seed)),
+         lambda d, t, seed: test_concurrency.scenario_threads(d, t, name="8 threads, cpu+file, inclusive",
+                                                              seed=seed)),
         ("8 threads, cpu+file, exclusive promotion",
-         lambda d, t, seed: test_concurrency.scenario_threads(d, t, name="8 threads, cpu+file, exclusive promotion",
+         lambda d, t, seed: test_concurrency.scenario_threads(d, t,
+                                                              name="8 threads, cpu+file, exclusive promotion",
                                                               keep_lower_copy=False, seed=seed)),
         ("SIGKILL while writing the file tier",
          lambda d, t, seed: test_crash.scenario_crash(d, rounds=max(2, int(t // 2.5)), seed=seed)),
@@ -116,7 +118,8 @@ def scenarios(with_redis: bool) -> list[tuple[str, Runner]]:
         ("2 processes, shared file dir + Redis", with_server(
             lambda d, srv, t, seed: test_concurrency.scenario_two_processes(d, srv.url, t))),
         ("bit flips, truncation, forged headers in Redis values", with_server(
-            lambda d, srv, t, seed: test_storage_faults.scenario_damaged_redis_values(srv.url, t, seed=seed))),
+            lambda d, srv, t, seed: test_storage_faults.scenario_damaged_redis_values(srv.url, t,
+                                                                                      seed=seed))),
         ("Redis full", with_server(
             lambda d, srv, t, seed: test_storage_faults.scenario_full_redis(srv.url, t, seed=seed))),
         ("Redis killed and restarted", with_server(
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as workdir:
                 try:
                     row, details = runner(Path(workdir), run_seconds, seed)
-                except Exception as exc:  # a scenario that cannot even run is a failure, not a crash of the soak
+                except Exception as exc:
+                    # a scenario that cannot even run is a failure, not a crash of the soak
                     row, details = FaultRow(name, errors=1), [f"{name}: the run failed: {exc!r}"]
             problems += [f"{name} (seed {seed}): {p}" for p in _problems(details)]
             if name in rows:
@@ -170,11 +174,12 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 row.scenario = name
                 rows[name] = row
-            print(f"[{time.monotonic() - started:7.1f} s] {name}: {row.operations:,} ops, {row.verified:,} verified, "
-                  f"{row.wrong} wrong, {row.errors} errors", flush=True)
+            print(f"[{time.monotonic() - started:7.1f} s] {name}: {row.operations:,} ops, "
+                  f"{row.verified:,} verified, {row.wrong} wrong, {row.errors} errors", flush=True)
             seed += 1
-    table = [FaultRow(f"{r.scenario} (×{r.runs})", r.operations, r.verified, r.wrong, r.errors, r.recover_seconds,
-                      r.max_call_seconds, notes=[f"last run: {'; '.join(r.notes)}"] if r.runs > 1 else r.notes)
+    table = [FaultRow(f"{r.scenario} (×{r.runs})", r.operations, r.verified, r.wrong, r.errors,
+                      r.recover_seconds, r.max_call_seconds,
+                      notes=[f"last run: {'; '.join(r.notes)}"] if r.runs > 1 else r.notes)
              for r in rows.values()]
     print()
     print(format_table(table))
@@ -189,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"PROBLEM: {problem}")
     if bad or problems:
-        print(f"FAIL: {len(bad)} scenarios with wrong blocks or surfaced errors, {len(problems)} state problems")
+        print(f"FAIL: {len(bad)} scenarios with wrong blocks or surfaced errors, "
+              f"{len(problems)} state problems")
         return 1
     print("ok: no wrong block, no error surfaced, every state check held")
     return 0
