@@ -27,8 +27,9 @@ def load(name: str | None) -> tuple[Any, Any]:
     if name:
         tokenizer = transformers.AutoTokenizer.from_pretrained(name)
         return transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), tokenizer
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=4096,
                                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval(), None
@@ -43,7 +44,8 @@ def encode(tokenizer: Any, text: str) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a Hugging Face model id (default: a random tiny Llama)")
+    parser.add_argument("--model", default=None,
+                        help="a Hugging Face model id (default: a random tiny Llama)")
     parser.add_argument("--dir", default="/tmp/kvtier-hf-example", help="the file tier's directory")
     args = parser.parse_args()
     model, tokenizer = load(args.model)
@@ -69,7 +71,8 @@ def main() -> None:
             if tokenizer is not None:
                 print("  →", tokenizer.decode(out[0, ids.shape[1]:]))
         for tier in reuse.cache.stats().tiers:
-            print(f"tier {tier.name}: {tier.hits} hits, {tier.stores} stores, {tier.usage_bytes / 2**20:.1f} MiB held")
+            print(f"tier {tier.name}: {tier.hits} hits, {tier.stores} stores, "
+                  f"{tier.usage_bytes / 2**20:.1f} MiB held")
 
 
 if __name__ == "__main__":

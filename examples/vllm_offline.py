@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # kvtier needs scheduler + worker in one process
-os.environ.setdefault("KMP_BLOCKTIME", "0")  # vLLM CPU backend: idle OpenMP threads must not spin (docs/vllm.md)
+# vLLM CPU backend: idle OpenMP threads must not spin (docs/vllm.md)
+os.environ.setdefault("KMP_BLOCKTIME", "0")
 
 
 def tiny_llama(path: Path) -> Path:
@@ -26,9 +27,9 @@ def tiny_llama(path: Path) -> Path:
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=4096)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=32, max_position_embeddings=4096)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
@@ -37,8 +38,10 @@ def tiny_llama(path: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a local model directory (default: a tiny random Llama)")
-    parser.add_argument("--config", help="a kvtier YAML (default: 64 MiB of CPU memory over a temp file tier)")
-    parser.add_argument("--block-size", type=int, default=32, help="vLLM block size (CPU attention: multiple of 32)")
+    parser.add_argument("--config",
+                        help="a kvtier YAML (default: 64 MiB of CPU memory over a temp file tier)")
+    parser.add_argument("--block-size", type=int, default=32,
+                        help="vLLM block size (CPU attention: multiple of 32)")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -61,7 +64,8 @@ def main() -> None:
                                              "kvtier_config": kvtier_config}))
     rng = random.Random(0)
     shared = [rng.randrange(1, 500) for _ in range(1024)]
-    prompts = [TokensPrompt(prompt_token_ids=shared + [rng.randrange(1, 500) for _ in range(476)]) for _ in range(8)]
+    prompts = [TokensPrompt(prompt_token_ids=shared + [rng.randrange(1, 500) for _ in range(476)])
+               for _ in range(8)]
     params = SamplingParams(max_tokens=8, temperature=0.0)
 
     first = llm.generate(prompts, params, use_tqdm=False)
@@ -69,7 +73,8 @@ def main() -> None:
     second = llm.generate(prompts, params, use_tqdm=False)
     for i, (a, b) in enumerate(zip(first, second, strict=True)):
         same = "same output" if a.outputs[0].token_ids == b.outputs[0].token_ids else "DIFFERENT OUTPUT"
-        print(f"request {i}: {len(b.prompt_token_ids or [])} prompt tokens, {b.num_cached_tokens} from cache, {same}")
+        print(f"request {i}: {len(b.prompt_token_ids or [])} prompt tokens, "
+              f"{b.num_cached_tokens} from cache, {same}")
     for tier in engine_stats().tiers:
         print(f"tier {tier.name:>6}: hits {tier.hits}, stores {tier.stores}, evictions {tier.evictions}, "
               f"demotions {tier.demotions_out}, corrupt {tier.corrupt_or_lost}")
