@@ -71,7 +71,8 @@ def resolve_block_size_factor(gpu_block_sizes: Sequence[int], hash_block_size: i
     ``block_size`` must be a multiple of it.
     """
     if hash_block_size <= 0:
-        raise KVTierConfigError("hash_block_size", f"must be a positive number of tokens, got {hash_block_size}")
+        raise KVTierConfigError("hash_block_size",
+                                f"must be a positive number of tokens, got {hash_block_size}")
     for i, size in enumerate(gpu_block_sizes):
         if size <= 0 or size % hash_block_size:
             raise KVTierConfigError(

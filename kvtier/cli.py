@@ -39,8 +39,10 @@ def _gib(n: int) -> str:
 
 
 def say_problem(label: str, detail: str = "", out: Console | None = None) -> None:
-    """``label`` in red, then ``detail`` as plain text on one line: brackets in paths and messages are never markup."""
-    (out or console).print(f"[red]{escape(label)}[/red]" + (f" {escape(detail)}" if detail else ""), soft_wrap=True)
+    """``label`` in red, then ``detail`` as plain text on one line: brackets in paths and messages are
+    never markup."""
+    (out or console).print(f"[red]{escape(label)}[/red]" + (f" {escape(detail)}" if detail else ""),
+                           soft_wrap=True)
 
 
 def say_config_error(source: str, exc: KVTierConfigError, out: Console | None = None) -> None:
@@ -59,12 +61,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     except KVTierConfigError as exc:
         say_config_error(args.config, exc)
         if not args.vllm and any(p.startswith("model:") for p in exc.problems):
-            console.print("  (a tiers-only config for vLLM's connector? `kvtier check --vllm FILE` checks it as one)")
+            console.print("  (a tiers-only config for vLLM's connector? "
+                          "`kvtier check --vllm FILE` checks it as one)")
         return 2
-    console.print(f"[green]ok[/green] {escape(args.config)}" + (" (for the vLLM connector)" if args.vllm else ""))
+    console.print(f"[green]ok[/green] {escape(args.config)}"
+                  + (" (for the vLLM connector)" if args.vllm else ""))
     raw = read_config_mapping(args.config)
     for line in check_report(cfg, vllm=args.vllm, model_given="model" in raw,
-                             engine_keys=[k for k in ("hash_block_size", "block_size", "groups") if k in raw]):
+                             engine_keys=[k for k in ("hash_block_size", "block_size", "groups")
+                                          if k in raw]):
         console.print(line)
     return 0
 
@@ -86,17 +91,19 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
                       if model_given else ""))
         for key in engine_keys:
             warnings.append(f"{key}: set by the vLLM engine; "
-                            + ("set block_size (or blocks_per_chunk) in kv_connector_extra_config and remove it "
-                               "here, or start-up fails unless it matches" if key == "block_size" else
+                            + ("set block_size (or blocks_per_chunk) in kv_connector_extra_config "
+                               "and remove it here, or start-up fails unless it matches"
+                               if key == "block_size" else
                                "the value here is replaced at start-up"))
     else:
-        out.append(escape(f"model {m.name}: {m.num_layers} layers, {m.num_kv_heads} KV heads, head_dim {m.head_dim}, "
-                          f"{m.dtype}{' (MLA)' if m.mla else ''}, TP rank {m.tp_rank}/{m.tp_size}; namespace {ns.id}"))
+        out.append(escape(f"model {m.name}: {m.num_layers} layers, {m.num_kv_heads} KV heads, "
+                          f"head_dim {m.head_dim}, {m.dtype}{' (MLA)' if m.mla else ''}, "
+                          f"TP rank {m.tp_rank}/{m.tp_size}; namespace {ns.id}"))
         out.append(f"hash_block_size {cfg.hash_block_size}, block_size_factor {factor}")
         groups = Table("group", "name", "GPU block", "offloaded block", "bytes/block", "layout")
         for p in plans:
-            groups.add_row(str(p.group_id), escape(p.name), f"{p.gpu_block_size} tok", f"{p.geometry.block_size} tok",
-                           _gib(p.geometry.nbytes), p.geometry.describe())
+            groups.add_row(str(p.group_id), escape(p.name), f"{p.gpu_block_size} tok",
+                           f"{p.geometry.block_size} tok", _gib(p.geometry.nbytes), p.geometry.describe())
         out.append(groups)
     cuda = cuda_present()
     tiers = Table("#", "tier", "type", "capacity", "blocks/group", "eviction", "admission", "where")
@@ -111,7 +118,8 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
         if t.type == "file":
             where = t.path
         elif t.type == "gpu":
-            where = f"cuda:{t.device}" + ("" if cuda else " (no CUDA here: this tier cannot start on this machine)")
+            where = f"cuda:{t.device}" + ("" if cuda
+                                          else " (no CUDA here: this tier cannot start on this machine)")
         else:
             where = "pinned host memory" if t.pinned is not False and cuda else "host memory"
             if t.pinned is True and not cuda:
@@ -159,9 +167,9 @@ def capacity_warnings(cfg: Any, namespace: str | None) -> list[str]:
         room = tiers[0][3] + sum(stored for *_, stored in tiers)
         if capacity > room:
             names = ", ".join(f"tiers[{i}].capacity" for i, *_ in tiers)
-            warnings.append(f"{names}: {_gib(capacity)} is more than the {_gib(room)} free on the filesystem of "
-                            f"{tiers[0][2]} (counting the blocks already stored); the disk fills before the "
-                            f"capacity does")
+            warnings.append(f"{names}: {_gib(capacity)} is more than the {_gib(room)} free on the "
+                            f"filesystem of {tiers[0][2]} (counting the blocks already stored); the disk "
+                            f"fills before the capacity does")
     return warnings
 
 
@@ -204,7 +212,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             console.print(f"kvtier demo: {len(prompts)} requests from {args.conversations} conversations, "
                           f"{layout.describe()} = {_gib(layout.nbytes)} per block")
             for tier in cache.core.tiers:
-                console.print(escape(f"  tier {tier.name} ({tier.kind}): {_gib(sum(tier.capacity_bytes.values()))}"
+                console.print(escape(f"  tier {tier.name} ({tier.kind}): "
+                                     f"{_gib(sum(tier.capacity_bytes.values()))}"
                                      + (f" at {tier.root}" if hasattr(tier, "root") else "")))
             with Progress(TextColumn("serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=console, transient=False, disable=args.quiet) as bar:
@@ -212,7 +221,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 result = run_demo(cache, prompts, progress=lambda: bar.advance(task))
             stats = cache.stats()
         table = Table(title="kvtier demo: what each tier did")
-        for col in ("tier", "hits", "stored", "evicted", "demoted", "promoted", "read", "written", "used", "errors"):
+        for col in ("tier", "hits", "stored", "evicted", "demoted", "promoted", "read", "written", "used",
+                    "errors"):
             table.add_column(col, justify="left" if col == "tier" else "right")
         for t in stats.tiers:
             errors = sum(t.errors.values()) + t.corrupt_or_lost
@@ -231,8 +241,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             console.print(f"[red]FAIL[/red]: {result.mismatched_blocks} of {result.blocks_verified} loaded "
                           f"blocks differ from what was stored")
             return 1
-        console.print(f"[green]bit-exact[/green]: all {result.blocks_verified} loaded blocks matched what was "
-                      f"stored, byte for byte")
+        console.print(f"[green]bit-exact[/green]: all {result.blocks_verified} loaded blocks matched "
+                      f"what was stored, byte for byte")
         for trace_path in args.trace:
             if (code := _demo_policies(trace_path, args.plot_dir)) != 0:
                 return code
@@ -250,7 +260,8 @@ def place_file_tiers(config: dict[str, Any], directory: Path) -> dict[str, Any]:
     """
     tiers = config.get("tiers")
     if not isinstance(tiers, list) or not any(isinstance(t, dict) and t.get("type") == "file" for t in tiers):
-        raise KVTierConfigError("--dir", "the config has no file tier to put there; remove --dir, or add a file tier")
+        raise KVTierConfigError("--dir", "the config has no file tier to put there; "
+                                         "remove --dir, or add a file tier")
     moved = []
     for i, t in enumerate(tiers):
         if isinstance(t, dict) and t.get("type") == "file":
@@ -297,7 +308,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from urllib.parse import urlsplit
 
     if args.url and (urlsplit(args.url).scheme not in ("http", "https") or not urlsplit(args.url).netloc):
-        say_problem("--url", f"expected a metrics endpoint like http://127.0.0.1:9400/metrics, got {args.url!r}")
+        say_problem("--url", "expected a metrics endpoint like http://127.0.0.1:9400/metrics, "
+                             f"got {args.url!r}")
         return 2
     rows = _stats_from_url(args.url) if args.url else _stats_from_dir(Path(args.dir))
     if rows is None:
@@ -328,7 +340,8 @@ def _stats_from_url(url: str) -> list[dict[str, Any]] | None:
         say_problem(f"cannot read {url}", str(exc))
         return None
     per_tier: dict[str, dict[str, Any]] = {}
-    wanted = {"kvtier_tier_hits": "hits", "kvtier_tier_misses": "misses", "kvtier_tier_stores": "stores", "kvtier_tier_evictions": "evictions",
+    wanted = {"kvtier_tier_hits": "hits", "kvtier_tier_misses": "misses", "kvtier_tier_stores": "stores",
+              "kvtier_tier_evictions": "evictions",
               "kvtier_tier_demotions_out": "demoted", "kvtier_tier_promotions_in": "promoted",
               "kvtier_tier_bytes_read": "bytes read", "kvtier_tier_bytes_written": "bytes written",
               "kvtier_tier_usage_bytes": "used bytes", "kvtier_tier_capacity_bytes": "capacity bytes",
@@ -350,18 +363,21 @@ def _stats_from_url(url: str) -> list[dict[str, Any]] | None:
                     f"({type(exc).__name__}: {detail[:80]}{'…' if len(detail) > 80 else ''})")
         return None
     if not per_tier:
-        say_problem(f"no kvtier metrics at {url}", "(a kvtier process serves them at metrics.port, path /metrics)")
+        say_problem(f"no kvtier metrics at {url}",
+                    "(a kvtier process serves them at metrics.port, path /metrics)")
         return None
     return list(per_tier.values())
 
 
 def _tier_roots(root: Path, depth: int = 2) -> list[Path]:
     """``root`` if it is a file tier's ``path`` (namespace directories holding ``g<N>`` groups), else such
-    directories up to ``depth`` levels below it (``kvtier demo --dir D`` puts its tier in ``D/kvtier-files``)."""
+    directories up to ``depth`` levels below it (``kvtier demo --dir D`` puts its tier in
+    ``D/kvtier-files``)."""
     def is_tier_root(path: Path) -> bool:
         try:
-            return any(ns.is_dir() and not ns.is_symlink() and any(g.is_dir() and g.name[:1] == "g" and g.name[1:].isdigit()
-                                                                for g in ns.iterdir())
+            return any(ns.is_dir() and not ns.is_symlink()
+                       and any(g.is_dir() and g.name[:1] == "g" and g.name[1:].isdigit()
+                               for g in ns.iterdir())
                        for ns in path.iterdir())
         except OSError:
             return False
@@ -442,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run a multi-turn chat workload through a two-tier cache and verify it")
+    demo = sub.add_parser("demo",
+                          help="run a multi-turn chat workload through a two-tier cache and verify it")
     demo.add_argument("--config", help="YAML config to run on (default: embedded CPU + file tiers)")
     demo.add_argument("--dir", type=directory_arg,
                       help="directory for the file tier (default: a temporary one, removed); with --config, "
@@ -454,8 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.add_argument("--trace", nargs="*", default=[], metavar="TRACE",
-                      help="then replay each trace (Mooncake or generic JSONL) through the eviction policies and "
-                           "print their table (e.g. ../shared/traces/*.jsonl)")
+                      help="then replay each trace (Mooncake or generic JSONL) through the eviction "
+                           "policies and print their table (e.g. ../shared/traces/*.jsonl)")
     demo.add_argument("--plot-dir", help="with --trace: write each trace's plot there")
     demo.set_defaults(func=cmd_demo)
 
@@ -470,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     where = stats.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a process's metrics endpoint (config `metrics.port`), e.g. "
                                      "http://127.0.0.1:9400/metrics")
-    where.add_argument("--dir", help="a file tier's `path`, or a directory holding one (e.g. `kvtier demo --dir`'s)")
+    where.add_argument("--dir",
+                       help="a file tier's `path`, or a directory holding one (e.g. `kvtier demo --dir`'s)")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.set_defaults(func=cmd_stats)
 

@@ -70,7 +70,8 @@ class _SizeMixin(_Strict):
     def _size(cls, value: Any) -> int:
         size = parse_size(value)
         if size == 0:
-            raise ValueError("a tier of 0 bytes stores nothing; give it room for at least one block, or remove it")
+            raise ValueError("a tier of 0 bytes stores nothing; "
+                             "give it room for at least one block, or remove it")
         return size
 
 
@@ -294,7 +295,8 @@ class RedisTierConfig(_Strict):
         return self
 
 
-TierConfig = Annotated[GpuTierConfig | CpuTierConfig | FileTierConfig | RedisTierConfig, Field(discriminator="type")]
+TierConfig = Annotated[GpuTierConfig | CpuTierConfig | FileTierConfig | RedisTierConfig,
+                       Field(discriminator="type")]
 
 
 class PlacementConfig(_Strict):
@@ -344,7 +346,8 @@ class KVTierConfig(_Strict):
             raise ValueError(f"placement.promote_to={self.placement.promote_to} but there are only "
                              f"{len(self.tiers)} tiers (index 0 is the top)")
         if self.model.mla and self.model.num_kv_heads != 1:
-            raise ValueError("model.mla is true, so model.num_kv_heads must be 1 (one latent vector per token)")
+            raise ValueError("model.mla is true, so model.num_kv_heads must be 1 "
+                             "(one latent vector per token)")
         return self
 
 
@@ -363,8 +366,9 @@ def _placement_problems(cfg: KVTierConfig, plans: Sequence[GroupPlan]) -> list[t
         if isinstance(t, FileTierConfig):
             where = os.path.realpath(t.path)
             if where in seen:
-                problems.append((f"tiers[{i}].path", f"{t.path!r} is also the directory of tiers[{seen[where]}]; "
-                                                     f"two tiers would write the same files: give each its own"))
+                problems.append((f"tiers[{i}].path",
+                                 f"{t.path!r} is also the directory of tiers[{seen[where]}]; "
+                                 f"two tiers would write the same files: give each its own"))
             seen.setdefault(where, i)
     return problems
 
@@ -389,7 +393,8 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     return "".join(parts) or "<root>"
 
 
-def read_config_mapping(source: str | Path | Mapping[str, Any] | KVTierConfig, where: str = "") -> dict[str, Any]:
+def read_config_mapping(source: str | Path | Mapping[str, Any] | KVTierConfig,
+                        where: str = "") -> dict[str, Any]:
     """A config as a plain mapping, from a YAML file path, YAML text, a mapping or a validated config.
 
     ``where`` prefixes error paths (``kvtier_config`` when a connector reads it from an engine's options).
@@ -407,19 +412,22 @@ def read_config_mapping(source: str | Path | Mapping[str, Any] | KVTierConfig, w
             raise KVTierConfigError(where, f"cannot read config file {path}: {exc.strerror}") from None
     try:
         data = yaml.safe_load(text)
-    except (yaml.YAMLError, ValueError) as exc:  # ValueError: a scalar YAML resolves but cannot build (2001-13-01)
+    except (yaml.YAMLError, ValueError) as exc:
+        # ValueError: a scalar YAML resolves but cannot build (2001-13-01)
         raise KVTierConfigError(where, f"invalid YAML: {exc}") from None
     if not isinstance(data, Mapping):
-        raise KVTierConfigError(where or "<root>", f"expected a mapping of config keys, got {type(data).__name__}")
+        raise KVTierConfigError(where or "<root>",
+                                f"expected a mapping of config keys, got {type(data).__name__}")
     return dict(data)
 
 
-#: What ``load_config(..., engine_supplies_model=True)`` fills a missing ``model`` (or its missing keys) with: the
-#: engine (vLLM) supplies the real model, groups and block sizes at start-up.
+#: What ``load_config(..., engine_supplies_model=True)`` fills a missing ``model`` (or its missing keys)
+#: with: the engine (vLLM) supplies the real model, groups and block sizes at start-up.
 PLACEHOLDER_MODEL = {"name": "from-the-engine", "num_layers": 1, "num_kv_heads": 1, "head_dim": 1}
 
 
-def load_config(source: str | Path | Mapping[str, Any], *, engine_supplies_model: bool = False) -> KVTierConfig:
+def load_config(source: str | Path | Mapping[str, Any], *,
+                engine_supplies_model: bool = False) -> KVTierConfig:
     """Read and validate a config from a YAML file path, YAML text, or a mapping.
 
     Raises :class:`KVTierConfigError` whose message starts with the key path (``tiers[1].capacity``) of
@@ -472,7 +480,8 @@ def plan_groups(cfg: KVTierConfig) -> tuple[int, tuple[GroupPlan, ...]]:
     """(block_size_factor, groups) of a config, validated against vLLM's block-size rules, without torch."""
     m = cfg.model
     group_cfgs = cfg.groups if cfg.groups is not None else [GroupConfig(block_size=cfg.hash_block_size)]
-    factor = resolve_block_size_factor([g.block_size for g in group_cfgs], cfg.hash_block_size, cfg.block_size)
+    factor = resolve_block_size_factor([g.block_size for g in group_cfgs], cfg.hash_block_size,
+                                       cfg.block_size)
     plans = tuple(
         GroupPlan(i, g.name, g.block_size, BlockGeometry(
             num_layers=g.num_layers or m.num_layers, num_kv_heads=g.num_kv_heads or m.num_kv_heads,
@@ -493,7 +502,8 @@ def build_spec(cfg: KVTierConfig) -> KVCacheSpec:
         layout = BlockLayout(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
                              block_size=geo.block_size, dtype=parse_dtype(geo.dtype), kv_factor=geo.kv_factor,
                              token_layout=cfg.model.token_layout)
-        groups.append(KVGroup(group_id=p.group_id, gpu_block_size=p.gpu_block_size, layout=layout, name=p.name))
+        groups.append(KVGroup(group_id=p.group_id, gpu_block_size=p.gpu_block_size, layout=layout,
+                              name=p.name))
     return KVCacheSpec(hash_block_size=cfg.hash_block_size, groups=tuple(groups), block_size_factor=factor)
 
 
@@ -540,8 +550,9 @@ def build_cache_parts(cfg: KVTierConfig) -> tuple[Any, ...]:
                                  getattr(tc, "eviction", "default"), self_evicting=tier.self_evicting))
         admissions.append(make_admission_policy(tc.admission, cfg.placement.admission_history))
     p = cfg.placement
-    placement = PlacementPolicy(admission=admissions, write_mode=p.write_mode, promote_on_hit=p.promote_on_hit,
-                                promote_to=p.promote_to, keep_lower_copy=p.keep_lower_copy)
+    placement = PlacementPolicy(admission=admissions, write_mode=p.write_mode,
+                                promote_on_hit=p.promote_on_hit, promote_to=p.promote_to,
+                                keep_lower_copy=p.keep_lower_copy)
     return spec, tiers, Residency(indexes, placement), namespace
 
 
@@ -552,7 +563,8 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
 
         transfer = TransferChoice(tc.transfer.method, tc.transfer.crossover)
         try:
-            return GpuTier(name, layouts, split_capacity(tc.capacity, spec), device=tc.device, transfer=transfer)
+            return GpuTier(name, layouts, split_capacity(tc.capacity, spec), device=tc.device,
+                           transfer=transfer)
         except TierUnavailable as exc:
             raise KVTierConfigError(path, f"a gpu tier cannot start here: {exc}") from None
     if isinstance(tc, CpuTierConfig):
@@ -569,9 +581,9 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
 
         root = Path(tc.path)  # ~ and environment variables were expanded at load time
         try:
-            return FileTier(name, layouts, split_capacity(tc.capacity, spec), root=root, namespace=namespace.id,
-                            compression=tc.compression, direct_io=tc.direct_io, io_threads=tc.io_threads,
-                            fsync=tc.fsync, namespace_fp=namespace.fingerprint)
+            return FileTier(name, layouts, split_capacity(tc.capacity, spec), root=root,
+                            namespace=namespace.id, compression=tc.compression, direct_io=tc.direct_io,
+                            io_threads=tc.io_threads, fsync=tc.fsync, namespace_fp=namespace.fingerprint)
         except KVTierConfigError as exc:  # e.g. a directory another user controls: keyed by this tier
             raise KVTierConfigError(f"{path}.{exc.path}", str(exc).removeprefix(f"{exc.path}: ")) from None
         except (OSError, TierUnavailable) as exc:
@@ -584,7 +596,8 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
         raise KVTierConfigError(f"{path}.type", str(exc)) from None
     from kvtier.tiers.redis import RedisTier
 
-    kwargs = {field: getattr(tc, field) for field in type(tc).model_fields if field not in ("type", "name", "admission")}
+    kwargs = {field: getattr(tc, field) for field in type(tc).model_fields
+              if field not in ("type", "name", "admission")}
     try:
         return RedisTier(name, layouts, {g: 0 for g in layouts}, namespace=namespace.id,
                          namespace_fp=namespace.fingerprint, **kwargs)

@@ -86,7 +86,8 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality of two CPU tensors (numpy compare: ~10× faster than ``torch.equal`` here)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return bool(np.array_equal(a.contiguous().view(torch.uint8).numpy(), b.contiguous().view(torch.uint8).numpy()))
+    return bool(np.array_equal(a.contiguous().view(torch.uint8).numpy(),
+                               b.contiguous().view(torch.uint8).numpy()))
 
 
 @dataclass

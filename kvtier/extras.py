@@ -25,7 +25,8 @@ def _message(module: str) -> str:
 
 
 def missing(module: str) -> str | None:
-    """The error message if ``module`` (a key of :data:`EXTRAS`) is not installed, else None; imports nothing."""
+    """The error message if ``module`` (a key of :data:`EXTRAS`) is not installed, else None; imports
+    nothing."""
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):

@@ -52,12 +52,14 @@ class BlockGeometry:
     @property
     def nbytes(self) -> int:
         """Bytes of one block."""
-        numel = math.prod((self.num_layers, self.kv_factor, self.block_size, self.num_kv_heads, self.head_dim))
+        numel = math.prod((self.num_layers, self.kv_factor, self.block_size, self.num_kv_heads,
+                           self.head_dim))
         return numel * DTYPE_ITEMSIZE[canonical_dtype(self.dtype)]
 
     def describe(self) -> str:
         return (f"cross_layer[L={self.num_layers},kv={self.kv_factor},tokens={self.block_size},"
-                f"heads={self.num_kv_heads},dim={self.head_dim}] {canonical_dtype(self.dtype)} {self.token_layout}")
+                f"heads={self.num_kv_heads},dim={self.head_dim}] {canonical_dtype(self.dtype)} "
+                f"{self.token_layout}")
 
     def fingerprint(self) -> int:
         """Stable 64-bit id of this layout; stored in every block header and part of the namespace."""

@@ -37,13 +37,15 @@ def existing_ancestor(path: str | Path) -> Path:
 
 
 def free_disk(path: str | Path) -> tuple[Path, int]:
-    """(the existing directory measured, bytes free to this user) on the filesystem ``path`` is or would be on."""
+    """(the existing directory measured, bytes free to this user) on the filesystem ``path`` is or would
+    be on."""
     where = existing_ancestor(path)
     return where, shutil.disk_usage(where).free
 
 
 def bytes_under(directory: str | Path) -> int:
-    """Bytes of the regular files below ``directory`` (0 if it does not exist); symbolic links are not followed."""
+    """Bytes of the regular files below ``directory`` (0 if it does not exist); symbolic links are not
+    followed."""
     total = 0
     stack = [str(directory)]
     while stack:
@@ -63,7 +65,8 @@ _TORCH_CUDA = re.compile(r"^cuda\s*(?::[^=]*)?=\s*(['\"])(.+?)\1", re.MULTILINE)
 
 
 def cuda_present() -> bool:
-    """Whether ``torch.cuda.is_available()`` would be true, answered without importing torch if it is not loaded."""
+    """Whether ``torch.cuda.is_available()`` would be true, answered without importing torch if it is not
+    loaded."""
     torch = sys.modules.get("torch")
     if torch is not None:
         return bool(torch.cuda.is_available())

@@ -79,4 +79,5 @@ class LogLimiter:
     def _summary(self, now: float) -> str | None:
         if not self._suppressed or self._window_start is None:
             return None
-        return f"{self._suppressed} more {self.what} in the last {now - self._window_start:.0f} s (not logged one by one)"
+        return (f"{self._suppressed} more {self.what} in the last {now - self._window_start:.0f} s "
+                "(not logged one by one)")

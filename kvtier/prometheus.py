@@ -57,7 +57,8 @@ class KVTierCollector(Collector):
             for t in stats.tiers:
                 family.add_metric([ns, t.name, t.kind], getattr(t, attr))
             yield family
-        errors = CounterMetricFamily(f"{PREFIX}_tier_errors", "tier errors by kind", labels=[*labels, "error"])
+        errors = CounterMetricFamily(f"{PREFIX}_tier_errors", "tier errors by kind",
+                                     labels=[*labels, "error"])
         usage = GaugeMetricFamily(f"{PREFIX}_tier_usage_bytes", "bytes held (raw block size)", labels=labels)
         capacity = GaugeMetricFamily(f"{PREFIX}_tier_capacity_bytes", "configured capacity", labels=labels)
         healthy = GaugeMetricFamily(f"{PREFIX}_tier_healthy", "1 when the tier works, 0 while degraded",

@@ -26,9 +26,9 @@ from kvtier.errors import LayoutMismatch, TierUnavailable
 from kvtier.kernels import fallback
 from kvtier.layout import BlockLayout, PerLayerLayout
 
-__all__ = ["KERNEL_SOURCES", "NVRTC_OPTIONS", "PieceGeometry", "copy_addresses", "copy_blocks", "kernel_source",
-           "load_module", "pack_blocks", "piece_byte_addresses", "piece_geometry", "reachable", "require_cuda",
-           "unpack_blocks"]
+__all__ = ["KERNEL_SOURCES", "NVRTC_OPTIONS", "PieceGeometry", "copy_addresses", "copy_blocks",
+           "kernel_source", "load_module", "pack_blocks", "piece_byte_addresses", "piece_geometry",
+           "reachable", "require_cuda", "unpack_blocks"]
 
 #: The CUDA sources shipped in this package (``kvtier/kernels/*.cu``).
 KERNEL_SOURCES = ("copy_blocks.cu",)
@@ -93,7 +93,8 @@ def load_module(device_index: int) -> Any:
     return module
 
 
-def piece_geometry(layers: Sequence[torch.Tensor], per_layer: PerLayerLayout, block: BlockLayout) -> PieceGeometry:
+def piece_geometry(layers: Sequence[torch.Tensor], per_layer: PerLayerLayout,
+                   block: BlockLayout) -> PieceGeometry:
     """Byte geometry of the pieces of ``layers`` (validated like the fallback) for cross-layer ``block``.
 
     Raises :class:`LayoutMismatch` when the layers do not share strides or their head dimension is
@@ -118,9 +119,10 @@ def piece_geometry(layers: Sequence[torch.Tensor], per_layer: PerLayerLayout, bl
     piece_bytes = tokens * heads * row_bytes
     dense = (inner == 1 or engine_inner == row_bytes) and (outer == 1 or engine_outer == inner * row_bytes)
     if dense:
-        return PieceGeometry(len(layers), block.kv_factor, s_block, s_kv, piece_bytes, 1, piece_bytes, 1, 0, 0)
-    return PieceGeometry(len(layers), block.kv_factor, s_block, s_kv, piece_bytes, outer * inner, row_bytes, inner,
-                         engine_outer, engine_inner)
+        return PieceGeometry(len(layers), block.kv_factor, s_block, s_kv, piece_bytes, 1, piece_bytes, 1,
+                             0, 0)
+    return PieceGeometry(len(layers), block.kv_factor, s_block, s_kv, piece_bytes, outer * inner, row_bytes,
+                         inner, engine_outer, engine_inner)
 
 
 def vector_unit(*values: int) -> int:
@@ -170,7 +172,7 @@ def piece_byte_addresses(geometry: PieceGeometry, layer_ptrs: torch.Tensor, bloc
     return engine, cross
 
 
-# --- launches (need a CUDA device and CuPy) -------------------------------------------------------------------
+# --- launches (need a CUDA device and CuPy) -----------------------------------------------------------------
 
 
 def pack_blocks(layers: Sequence[torch.Tensor], block_ids: torch.Tensor, per_layer: PerLayerLayout,
@@ -189,7 +191,8 @@ def pack_blocks(layers: Sequence[torch.Tensor], block_ids: torch.Tensor, per_lay
 def unpack_blocks(blocks: torch.Tensor | Sequence[torch.Tensor], layers: Sequence[torch.Tensor],
                   block_ids: torch.Tensor, per_layer: PerLayerLayout, block: BlockLayout, *,
                   stream: torch.cuda.Stream | None = None) -> None:
-    """Scatter cross-layer blocks back into engine blocks ``block_ids`` of every layer (one launch, no repeats)."""
+    """Scatter cross-layer blocks back into engine blocks ``block_ids`` of every layer (one launch, no
+    repeats)."""
     _launch_pieces("kvtier_unpack_blocks", layers, block_ids, per_layer, block, blocks, stream)
 
 
@@ -226,7 +229,8 @@ def copy_addresses(src: torch.Tensor, dst: torch.Tensor, nbytes: int, *, unit: i
         raise LayoutMismatch(f"address tensors must be 1-D int64 of one length, got {src.dtype} "
                              f"{tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}")
     if unit not in (16, 8, 4, 2, 1) or nbytes <= 0:
-        raise LayoutMismatch(f"copy_addresses needs nbytes > 0 and a unit of 16, 8, 4, 2 or 1, got {nbytes}, {unit}")
+        raise LayoutMismatch(f"copy_addresses needs nbytes > 0 and a unit of 16, 8, 4, 2 or 1, "
+                             f"got {nbytes}, {unit}")
     count = src.numel()
     if count == 0:
         return
@@ -254,7 +258,8 @@ def _copy_blocks(device: torch.device, stream: torch.cuda.Stream, src: torch.Ten
 
 
 def _launch_pieces(kernel: str, layers: Sequence[torch.Tensor], block_ids: torch.Tensor,
-                   per_layer: PerLayerLayout, block: BlockLayout, cross: torch.Tensor | Sequence[torch.Tensor],
+                   per_layer: PerLayerLayout, block: BlockLayout,
+                   cross: torch.Tensor | Sequence[torch.Tensor],
                    stream: torch.cuda.Stream | None) -> None:
     require_cuda()
     geometry = piece_geometry(layers, per_layer, block)
@@ -290,7 +295,8 @@ def _pack_pieces(kernel: str, device: torch.device, stream: torch.cuda.Stream, g
     _launch(device, stream, kernel, count * g.num_layers * g.kv_factor,
             ptrs, ids, _i64(count), _i32(g.num_layers), _i32(g.kv_factor), _i64(g.engine_block_stride),
             _i64(g.engine_kv_stride), _ptr(cross_base), cross_ids, _i64(cross_stride), _i64(g.piece_bytes),
-            _i64(g.rows), _i64(g.row_bytes), _i64(g.inner), _i64(g.engine_outer), _i64(g.engine_inner), _i32(unit))
+            _i64(g.rows), _i64(g.row_bytes), _i64(g.inner), _i64(g.engine_outer), _i64(g.engine_inner),
+            _i32(unit))
 
 
 def _device_of(*sides: torch.Tensor | Sequence[torch.Tensor]) -> torch.device:
@@ -301,9 +307,10 @@ def _device_of(*sides: torch.Tensor | Sequence[torch.Tensor]) -> torch.device:
     raise LayoutMismatch("copy_blocks needs at least one side on a CUDA device; use kvtier.kernels.fallback")
 
 
-def _block_addresses(side: torch.Tensor | Sequence[torch.Tensor], ids: torch.Tensor | None, device: torch.device,
-                     what: str) -> tuple[int, torch.Tensor, int, int, int]:
-    """``(base, ids on device, stride, block bytes, alignment)``: block ``k`` is at ``base + ids[k] * stride``.
+def _block_addresses(side: torch.Tensor | Sequence[torch.Tensor], ids: torch.Tensor | None,
+                     device: torch.device, what: str) -> tuple[int, torch.Tensor, int, int, int]:
+    """``(base, ids on device, stride, block bytes, alignment)``: block ``k`` is at
+    ``base + ids[k] * stride``.
 
     A sequence of views becomes base 0, stride 1 and ids = the views' addresses. ``alignment`` is
     the :func:`vector_unit` every block start is aligned to, computed on the host (no device sync).
@@ -314,7 +321,8 @@ def _block_addresses(side: torch.Tensor | Sequence[torch.Tensor], ids: torch.Ten
         _check_reachable(side, device, what)
         rows = fallback._block_bytes(side, what)
         index = ids.to(device=device, dtype=torch.int64, non_blocking=True)
-        return rows.data_ptr(), index, rows.stride(0), rows.shape[1], vector_unit(rows.data_ptr(), rows.stride(0))
+        return (rows.data_ptr(), index, rows.stride(0), rows.shape[1],
+                vector_unit(rows.data_ptr(), rows.stride(0)))
     if ids is not None:
         raise LayoutMismatch(f"{what} is a sequence of block views; pass None for its ids")
     views = list(side)
@@ -332,7 +340,8 @@ def _block_addresses(side: torch.Tensor | Sequence[torch.Tensor], ids: torch.Ten
 
 
 def reachable(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
-    """Whether a kernel on ``device`` can read and write every tensor: on ``device``, or page-locked host memory.
+    """Whether a kernel on ``device`` can read and write every tensor: on ``device``, or page-locked host
+    memory.
 
     Asks CUDA whether memory is page-locked once per underlying allocation (the views of one CPU
     tier slab share it), not once per view: a batch of a thousand slot views costs one query.
@@ -354,16 +363,18 @@ def reachable(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
 def _check_reachable(tensor: torch.Tensor, device: torch.device, what: str) -> None:
     if reachable([tensor], device):
         return
-    raise LayoutMismatch(f"{what} is on {tensor.device}, which a kernel on {device} cannot reach; use {device} "
-                         f"or page-locked host memory (a pinned CPU tier slab)")
+    raise LayoutMismatch(f"{what} is on {tensor.device}, which a kernel on {device} cannot reach; "
+                         f"use {device} or page-locked host memory (a pinned CPU tier slab)")
 
 
 def _resolve_stream(device: torch.device, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
     return stream if stream is not None else torch.cuda.current_stream(device)
 
 
-def _launch(device: torch.device, stream: torch.cuda.Stream, kernel: str, pieces: int, *args: Any) -> None:
-    """Launch ``kernel`` on ``stream``; tensors in ``args`` become pointers and are kept alive for the stream."""
+def _launch(device: torch.device, stream: torch.cuda.Stream, kernel: str, pieces: int,
+            *args: Any) -> None:
+    """Launch ``kernel`` on ``stream``; tensors in ``args`` become pointers and are kept alive for the
+    stream."""
     cupy = require_cuda()
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(index).multi_processor_count

@@ -80,8 +80,8 @@ class TransferChoice:
 
 def _require_device(device: torch.device | str | int | None) -> torch.device:
     if not torch.cuda.is_available():
-        raise TierUnavailable("CUDA is unavailable: torch.cuda.is_available() is False, so the GPU tier cannot "
-                              "run; configure a cpu tier as the top tier instead")
+        raise TierUnavailable("CUDA is unavailable: torch.cuda.is_available() is False, so the GPU tier "
+                              "cannot run; configure a cpu tier as the top tier instead")
     resolved = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device) \
         if not isinstance(device, int) else torch.device("cuda", device)
     if resolved.type != "cuda" or (resolved.index or 0) >= torch.cuda.device_count():
@@ -122,7 +122,8 @@ class TransferHandle:
             await asyncio.sleep(poll_seconds)
 
     def stream_wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: the current one, e.g. the engine's) wait for the transfer, host not blocked."""
+        """Make ``stream`` (default: the current one, e.g. the engine's) wait for the transfer, host not
+        blocked."""
         self.event.wait(stream if stream is not None else torch.cuda.current_stream(self.device))
 
 
@@ -163,7 +164,8 @@ class EngineKV:
         return self.detected.block
 
     def choose(self) -> Literal["kernel", "copy_engine"]:
-        """``kernel`` or ``copy_engine`` for this cache (its piece size against the crossover, unless forced)."""
+        """``kernel`` or ``copy_engine`` for this cache (its piece size against the crossover, unless
+        forced)."""
         return self.transfer.choose(self.piece_bytes, contiguous=self.contiguous)
 
     def store(self, block_ids: Sequence[int] | torch.Tensor, slots: Sequence[torch.Tensor]) -> TransferHandle:
@@ -175,7 +177,8 @@ class EngineKV:
         return self._transfer(block_ids, slots, to_engine=False)
 
     def load(self, slots: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor) -> TransferHandle:
-        """Copy ``slots[i]`` into engine blocks ``block_ids[i]`` (no repeats); the engine waits on the handle."""
+        """Copy ``slots[i]`` into engine blocks ``block_ids[i]`` (no repeats); the engine waits on the
+        handle."""
         return self._transfer(block_ids, slots, to_engine=True)
 
     def _transfer(self, block_ids: Sequence[int] | torch.Tensor, slots: Sequence[torch.Tensor], *,
@@ -195,7 +198,8 @@ class EngineKV:
             self._copy_engine(ids, slots, to_engine)
         event = torch.cuda.Event()
         event.record(self.stream)
-        return TransferHandle(event, self.device, ids.numel(), ids.numel() * self.block.nbytes, method, keepalive)
+        return TransferHandle(event, self.device, ids.numel(), ids.numel() * self.block.nbytes, method,
+                              keepalive)
 
     def _kernel(self, ids: torch.Tensor, slots: Sequence[torch.Tensor], to_engine: bool) -> None:
         if self.detected.cross_layer:
@@ -215,8 +219,8 @@ class EngineKV:
     def _copy_engine(self, ids: torch.Tensor, slots: Sequence[torch.Tensor], to_engine: bool) -> None:
         """One ``cudaMemcpyAsync`` per contiguous run of blocks (cross-layer) or pieces (per-layer)."""
         if not cuda.reachable(slots, self.device):
-            raise LayoutMismatch(f"slots must be on {self.device} or in page-locked host memory (a pinned CPU "
-                                 f"tier slab) for the copy engine to move them asynchronously")
+            raise LayoutMismatch(f"slots must be on {self.device} or in page-locked host memory "
+                                 f"(a pinned CPU tier slab) for the copy engine to move them asynchronously")
         if self.detected.cross_layer:
             base = self.detected.base
             assert base is not None
@@ -227,8 +231,8 @@ class EngineKV:
         else:
             g = self.geometry
             if g.rows != 1:
-                raise LayoutMismatch("the copy engine moves contiguous pieces only; this per-layer cache needs "
-                                     "a token-layout transpose, so use method='kernel'")
+                raise LayoutMismatch("the copy engine moves contiguous pieces only; this per-layer cache "
+                                     "needs a token-layout transpose, so use method='kernel'")
             size = g.piece_bytes
             layer_ptrs = [layer.data_ptr() for layer in self.layers]
             engine, cross = [], []
@@ -259,13 +263,15 @@ class GpuTier(Tier):
     addressable: ClassVar[bool] = True
 
     def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int], *,
-                 device: torch.device | str | int | None = None, transfer: TransferChoice = TransferChoice()) -> None:
+                 device: torch.device | str | int | None = None,
+                 transfer: TransferChoice = TransferChoice()) -> None:
         self.device = _require_device(device)
         super().__init__(name, layouts, capacity_bytes)
         self.transfer = transfer
         self.stream = torch.cuda.Stream(self.device)
         self._slabs = {g: torch.empty((self.capacity_bytes.get(g, 0) // layout.nbytes, layout.nbytes),
-                                      dtype=torch.uint8, device=self.device) for g, layout in self.layouts.items()}
+                                      dtype=torch.uint8, device=self.device)
+                       for g, layout in self.layouts.items()}
         self._slots = SlotAllocator({g: slab.shape[0] for g, slab in self._slabs.items()})
 
     def slots(self, group_id: int) -> int:
@@ -325,7 +331,8 @@ class GpuTier(Tier):
         methods = set()
         with torch.cuda.stream(self.stream):
             for group_id, (slots, buffers) in moves.items():
-                methods.add(self._enqueue(self._slabs[group_id], slots, buffers, into_slab, keepalive, finish))
+                methods.add(self._enqueue(self._slabs[group_id], slots, buffers, into_slab, keepalive,
+                                          finish))
         event = torch.cuda.Event()
         event.record(self.stream)
         num_bytes = sum(len(slots) * self._slabs[g].shape[1] for g, (slots, _) in moves.items())
