@@ -219,12 +219,13 @@ class Residency:
                 skipped.append(i)
         return plan
 
-    def _plan_batch(self, t: int, keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None, plan: Plan) -> bool:
+    def _plan_batch(self, t: int, keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None,
+                    plan: Plan) -> bool:
         """:meth:`plan_store` into one tier in one pass, when that gives the same plan as key by key.
 
         That is: one group, new distinct keys (none indexed or pinned there), a tier that admits all,
-        has room for all of them after evicting and demotes nothing, and LRU eviction, whose victims do not depend on
-        the (pinned, pending) keys inserted meanwhile. Then the victims are the ``count`` oldest
+        has room for all of them after evicting and demotes nothing, and LRU eviction, whose victims do
+        not depend on the (pinned, pending) keys inserted meanwhile. Then the victims are the ``count`` oldest
         unpinned keys at once, instead of one victim walk per key (an engine's scheduler plans every
         store here). Returns False, having changed nothing, when the key-by-key path must run.
         """
