@@ -302,9 +302,7 @@ class KVTierOffloadManager:
             if self._reset_drops:  # the workers delete what a reset dropped, in order with the stores
                 plan.drops[0].extend(self._reset_drops)
                 self._reset_drops = []
-            planned_keys = tuple(block_keys)
-            for key in chosen:
-                self._plans[key] = (plan, planned_keys)
+            self._plans.update(dict.fromkeys(chosen, (plan, tuple(block_keys))))
         if storing:
             for key in chosen:
                 storing[key] = storing.get(key, 0) + 1
