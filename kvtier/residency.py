@@ -250,19 +250,19 @@ class Residency:
         victims = policy.victims(count, pins) if count else []
         if len(victims) != count:
             return False  # not room for all: key by key stores what fits
-        stored_hints, remove, insert = index.hints, policy.remove, policy.insert
-        for victim in victims:  # TierIndex.discard, inlined
+        stored_hints = index.hints
+        for victim in victims:  # TierIndex.discard, batched
             del entries[victim]
             stored_hints.pop(victim, None)
-            remove(victim)
+        policy.remove_all(victims)
         plan.drops[t].extend(victims)
-        for i, key in enumerate(keys):  # TierIndex.add(ready=False), inlined: pending and pinned
-            hint = hints[i] if hints is not None else InsertHint(position=i)
-            entries[key] = PENDING
-            if hint.predecessor is not None:
-                stored_hints[key] = hint
-            insert(key, hint)
-            pins[key] = 1
+        # TierIndex.add(ready=False) of each key, batched: pending, pinned, in the policy in order
+        entries.update(dict.fromkeys(keys, PENDING))
+        pins.update(dict.fromkeys(keys, 1))
+        if hints is not None:
+            stored_hints.update({key: hint for key, hint in zip(keys, hints, strict=True)
+                                 if hint.predecessor is not None})
+        policy.insert_new(keys)
         index.used[group_id] += (len(keys) - count) * per_block
         plan.writes[t].extend(range(len(keys)))
         return True
