@@ -87,13 +87,14 @@ def offloading_config(extra: dict[str, Any], engine_id: str) -> Any:
     )
 
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS_PER_BLOCK, layer_names=("layer.0",), group_id=0),),
+        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS_PER_BLOCK, layer_names=("layer.0",),
+                                      group_id=0),),
         worker_kv_bytes_per_block=PAGE_BYTES, enable_kv_cache_events=False, extra_config=extra,
         engine_id=engine_id, model=OffloadingModelConfig(name="bench-model", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=TOKENS_PER_BLOCK, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                                          is_parallelism_agnostic=False),
+                                          data_parallel_index=0, data_parallel_size=1,
+                                          data_parallel_rank_local=None, is_parallelism_agnostic=False),
         kv_cache_layout="NHD")
 
 
@@ -167,7 +168,7 @@ def build_kvtier(capacity: int, policy: str) -> tuple[Any, Any, int]:
     pages = torch.zeros((ENGINE_BLOCKS, PAGE_BYTES), dtype=torch.int8)
     kv_caches = SimpleNamespace(tensors=[SimpleNamespace(tensor=pages, page_size_bytes=PAGE_BYTES)],
                                 group_data_refs=[[SimpleNamespace(tensor_idx=0, page_size_bytes=PAGE_BYTES)]])
-    worker = spec.get_worker(kv_caches)  # vLLM builds the worker first (register_kv_caches), then the scheduler
+    worker = spec.get_worker(kv_caches)  # vLLM builds the worker first (register_kv_caches), then the manager
     return spec.get_manager(), worker, capacity
 
 
@@ -219,7 +220,8 @@ def replay(side: str, policy: str, requests: list[list[bytes]], capacity: int) -
                 stored = out.keys_to_store
                 if worker is not None and stored:
                     ids = np.arange(len(stored)) % ENGINE_BLOCKS
-                    run_job(worker.submit_store, GPULoadStoreSpec(ids.tolist(), (len(stored),), (0,)), out.store_spec)
+                    run_job(worker.submit_store, GPULoadStoreSpec(ids.tolist(), (len(stored),), (0,)),
+                            out.store_spec)
                 manager.complete_store(stored, ctx)
                 calls += 1
         manager.on_request_finished(ctx)
@@ -255,9 +257,11 @@ def main() -> None:
     torch.set_num_threads(1)  # a worker's page copies are a few KiB: intra-op threads only add wake-ups
     path = args.trace or default_trace()
     trace = read_trace(path, limit=args.limit)
-    requests = [[k.block_hash.rjust(32, b"\0") + (0).to_bytes(4, "big") for k in keys] for keys in trace.requests]
+    requests = [[k.block_hash.rjust(32, b"\0") + (0).to_bytes(4, "big") for k in keys]
+                for keys in trace.requests]
     print(f"trace {path.name}: {len(requests)} requests, {trace.references} block references, "
-          f"{trace.distinct_blocks} distinct blocks; python {sys.version.split()[0]}, torch {torch.__version__}")
+          f"{trace.distinct_blocks} distinct blocks; python {sys.version.split()[0]}, "
+          f"torch {torch.__version__}")
     header = (f"{'policy':<6} {'capacity':>14} {'side':<10} {'hit ratio':>9} {'CPU µs/ref':>10} "
               f"{'sched µs/call':>13} {'wall s':>7}")
     print(header)
@@ -269,8 +273,9 @@ def main() -> None:
             for side in sides:  # same process, same trace, one after the other
                 res = replay(side, policy, requests, capacity)
                 results[side] = res
-                print(f"{policy:<6} {f'{percent:g}% ({res.capacity_blocks})':>14} {side:<10} {res.hit_ratio:>9.4f} "
-                      f"{res.cpu_us_per_reference:>10.2f} {res.scheduler_us_per_call:>13.3f} {res.wall_seconds:>7.1f}")
+                where = f"{percent:g}% ({res.capacity_blocks})"
+                print(f"{policy:<6} {where:>14} {side:<10} {res.hit_ratio:>9.4f} {res.cpu_us_per_reference:>10.2f} "
+                      f"{res.scheduler_us_per_call:>13.3f} {res.wall_seconds:>7.1f}")
             for ours_side, theirs_side in BASELINE.items():
                 if ours_side not in results or theirs_side not in results:
                     continue
