@@ -275,7 +275,8 @@ def main() -> None:
                 results[side] = res
                 where = f"{percent:g}% ({res.capacity_blocks})"
                 print(f"{policy:<6} {where:>14} {side:<10} {res.hit_ratio:>9.4f} "
-                      f"{res.cpu_us_per_reference:>10.2f} {res.scheduler_us_per_call:>13.3f} {res.wall_seconds:>7.1f}")
+                      f"{res.cpu_us_per_reference:>10.2f} {res.scheduler_us_per_call:>13.3f} "
+                      f"{res.wall_seconds:>7.1f}")
             for ours_side, theirs_side in BASELINE.items():
                 if ours_side not in results or theirs_side not in results:
                     continue
