@@ -4,7 +4,8 @@ Not a test: it prints two tables, each with its baseline measured in the same ru
 
 1. TTFT on a shared-prefix workload (``--requests`` prompts of ``--prompt-tokens`` tokens sharing the
    first ``--shared-tokens``) on a tiny random Llama. Each configuration — no offloading (recompute),
-   kvtier CPU tier, kvtier file tier (the files are in the page cache) — has its own engine in its own
+   kvtier CPU tier, kvtier file tier (the files are in the page cache), kvtier Redis tier (``--redis-url``,
+   skipped with a note when no server answers there) — has its own engine in its own
    process (vLLM keeps one KV connector per process), started together and warmed once (the batch
    fills the caches). Then ``--repeat`` rounds; in each round every engine runs one pass, one engine at
    a time while the others sleep, in an order that rotates from round to round: a pass drops vLLM's
@@ -29,8 +30,9 @@ file-tier reads run on kvtier's threads, which wait for the GIL while vLLM's eng
 ``--model qwen2-0.5b`` replaces the tiny model by one of realistic depth (random weights in Qwen2-0.5B's
 shape), whose recompute costs what it costs a user.
 
-Usage: ``python benchmarks/bench_vllm_cpu.py [--model tiny|qwen2-0.5b] [--requests 8] [--prompt-tokens 1500] [--shared-tokens 1024]
-[--repeat 9] [--meta-repeat 9] [--switch-interval 0.0005]`` (needs vLLM: run it with
+Usage: ``python benchmarks/bench_vllm_cpu.py [--model tiny|qwen2-0.5b] [--requests 8] [--prompt-tokens 1500]
+[--shared-tokens 1024] [--repeat 9] [--meta-repeat 9] [--switch-interval 0.0005]
+[--redis-url redis://127.0.0.1:6379/0]`` (needs vLLM: run it with
 ``.venv-vllm/bin/python`` after ``bash .ci/run_vllm``).
 """
 
@@ -252,6 +254,17 @@ def spread(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(min(values) * scale)}–{fmt.format(max(values) * scale)}"
 
 
+def redis_down(url: str) -> str | None:
+    """Why the Redis row cannot run (the server at ``url`` does not answer), or None when it can."""
+    try:
+        import redis
+
+        redis.Redis.from_url(url, socket_connect_timeout=1.0).ping()
+    except Exception as exc:
+        return f"Redis at {url} does not answer: {exc!r}"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny",
@@ -263,6 +276,8 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=4096, help="keys in the metadata-path stream")
     parser.add_argument("--batch", type=int, default=16, help="keys per prepare_store / prepare_load call")
     parser.add_argument("--meta-repeat", type=int, default=9, help="interleaved metadata-path passes (medians)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                        help="Redis server of the Redis-tier row (skipped, with a note, if it does not answer)")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval in every engine process, recompute included (default: "
                              "Python's 5 ms); see docs/vllm.md on the file tier")
@@ -283,6 +298,12 @@ def main() -> None:
         ("kvtier CPU tier", {"tiers": [{"type": "cpu", "capacity": "256MiB"}]}),
         ("kvtier file tier", {"tiers": [{"type": "file", "path": str(workdir / "nvme"), "capacity": "1GiB"}]}),
     ]
+    # the namespace holds the random checkpoint's identity (its path and mtimes): this run's keys are its own,
+    # and the TTL ages them out of a shared server
+    redis_note = redis_down(args.redis_url)
+    if redis_note is None:
+        redis_tier = {"type": "redis", "url": args.redis_url, "ttl_seconds": 600}
+        configs.append(("kvtier Redis tier", {"tiers": [redis_tier]}))
     load_before = os.getloadavg()
     rounds = ttft_rounds(model, configs, prompts, args.repeat, args.switch_interval)
     meta = metadata_path(args.keys, args.batch, args.meta_repeat)
@@ -307,6 +328,8 @@ def main() -> None:
         ratio = statistics.median(b / m for b, m in zip(base_means, means, strict=True))
         print(f"| {name:<26} | {statistics.median(means) * 1e3:>12.1f} | {spread(means, 1e3):>13} | "
               f"{statistics.median(firsts) * 1e3:>14.1f} | {cached:>13.0f} | {ratio:>11.2f}× |")
+    if redis_note is not None:
+        print(f"(no kvtier Redis tier row: {redis_note})")
     print(f"\nScheduler metadata path through vLLM's OffloadingManager interface (events on), {args.keys} resident "
           f"keys, {20 * args.keys} lookups; {args.meta_repeat} interleaved passes, medians (min–max)\n")
     print(f"| {'operation':<32} | {'vLLM CPUOffloadingManager /s':>30} | {'kvtier manager /s':>30} | "

@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.blocks import BlockKey
-from kvtier.policy import EvictionPolicy, InsertHint, make_eviction_policy
+from kvtier.policy import EvictionPolicy, InsertHint, LRUPolicy, make_eviction_policy
+from kvtier.policy.admission import AdmitAll
 from kvtier.policy.placement import PlacementPolicy
 
 PENDING = 0
@@ -186,6 +187,9 @@ class Residency:
         is skipped; with write-back the next tier down is tried.
         """
         plan = Plan(len(self.tiers))
+        target = only_tier if only_tier is not None else 0 if len(self.tiers) == 1 else None
+        if target is not None and self._plan_batch(target, keys, hints, plan):
+            return plan
         write_through = self.placement.write_mode == "write_through"
         # per target tier, hoisted out of the per-key loop (an engine's scheduler plans every store here)
         targets = [(t, self.tiers[t], self.placement.admission[t].admit, plan.writes[t])
@@ -214,6 +218,54 @@ class Residency:
             if placed and not wrote:
                 skipped.append(i)
         return plan
+
+    def _plan_batch(self, t: int, keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None,
+                    plan: Plan) -> bool:
+        """:meth:`plan_store` into one tier in one pass, when that gives the same plan as key by key.
+
+        That is: one group, new distinct keys (none indexed or pinned there), a tier that admits all,
+        has room for all of them after evicting and demotes nothing, and LRU eviction, whose victims do
+        not depend on the (pinned, pending) keys inserted meanwhile. Then the victims are the ``count`` oldest
+        unpinned keys at once, instead of one victim walk per key (an engine's scheduler plans every
+        store here). Returns False, having changed nothing, when the key-by-key path must run.
+        """
+        if not keys or type(self.placement.admission[t]) is not AdmitAll:
+            return False
+        if self.placement.write_mode == "write_back" and t + 1 < len(self.tiers):
+            return False  # victims are demoted: key by key
+        index = self.tiers[t]
+        group_id = keys[0].group_id
+        policy = index.policies.get(group_id)
+        if type(policy) is not LRUPolicy or index.self_evicting or not index.fits(group_id):
+            return False
+        entries, pins = index.entries, index.pins
+        for key in keys:
+            if key in entries or key in pins or key.group_id != group_id:
+                return False
+        if len(set(keys)) != len(keys):
+            return False
+        per_block = index.block_bytes[group_id]
+        need = index.used[group_id] + len(keys) * per_block - index.capacity[group_id]
+        count = -(-need // per_block) if need > 0 else 0
+        victims = policy.victims(count, pins) if count else []
+        if len(victims) != count:
+            return False  # not room for all: key by key stores what fits
+        stored_hints = index.hints
+        for victim in victims:  # TierIndex.discard, batched
+            del entries[victim]
+            stored_hints.pop(victim, None)
+        policy.remove_all(victims)
+        plan.drops[t].extend(victims)
+        # TierIndex.add(ready=False) of each key, batched: pending, pinned, in the policy in order
+        entries.update(dict.fromkeys(keys, PENDING))
+        pins.update(dict.fromkeys(keys, 1))
+        if hints is not None:
+            stored_hints.update({key: hint for key, hint in zip(keys, hints, strict=True)
+                                 if hint.predecessor is not None})
+        policy.insert_new(keys)
+        index.used[group_id] += (len(keys) - count) * per_block
+        plan.writes[t].extend(range(len(keys)))
+        return True
 
     def _make_room(self, t: int, group_id: int, plan: Plan) -> bool:
         index = self.tiers[t]

@@ -80,3 +80,46 @@ def test_usage_never_exceeds_capacity(ops: list[tuple[int, bool]]) -> None:
             assert index.usage() == 10 * len(index.entries)
             assert len(index.policies[0]) == len(index.entries)
         assert not any(index.pins for index in r.tiers)
+
+
+class _AdmitAllKeyByKey(AdmitAll):
+    """Admits all like AdmitAll, but is not AdmitAll itself: the residency plans such a tier key by key."""
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 3),
+       st.lists(st.tuples(st.sampled_from(["store", "pin", "unpin", "touch", "settle"]),
+                          st.lists(st.integers(0, 30), min_size=1, max_size=8)), max_size=40))
+def test_one_pass_store_plans_what_key_by_key_plans(slots: int, group_size: int,
+                                                    ops: list[tuple[str, list[int]]]) -> None:
+    """A single LRU tier plans a store of new keys in one pass: plans, index and order are the key-by-key ones."""
+    keys = make_keys(31)
+    one_pass = Residency([TierIndex("t0", {0: slots * 10 + 5}, {0: 10}, "lru")],
+                         PlacementPolicy([AdmitAll()]))
+    by_key = Residency([TierIndex("t0", {0: slots * 10 + 5}, {0: 10}, "lru")],
+                       PlacementPolicy([_AdmitAllKeyByKey()]))
+    pending: list[tuple[object, list]] = []
+    for op, ids in ops:
+        chosen = [keys[i] for i in ids]
+        for r in (one_pass, by_key):
+            index = r.tiers[0]
+            if op == "store":
+                plan = r.plan_store(chosen[:group_size])
+                pending.append((plan, chosen[:group_size]))
+            elif op == "pin":
+                index.pin(chosen[0])
+            elif op == "unpin":
+                index.unpin(chosen[0])
+            elif op == "touch" and chosen[0] in index.entries:
+                r.touch(0, chosen[0])
+        if op == "store":
+            (plan_a, stored), (plan_b, _) = pending[-2], pending[-1]
+            assert plan_a.writes == plan_b.writes and plan_a.drops == plan_b.drops
+            assert plan_a.skipped == plan_b.skipped
+        if op == "settle" and pending:
+            for r, (plan, stored) in zip((one_pass, by_key), pending[:2], strict=True):
+                settle(r, plan, stored)
+            del pending[:2]
+        a, b = one_pass.tiers[0], by_key.tiers[0]
+        assert a.entries == b.entries and a.pins == b.pins and a.used == b.used and a.hints == b.hints
+        assert list(a.policies[0].victims(31, ())) == list(b.policies[0].victims(31, ()))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Iterable
 
 from kvtier.blocks import BlockKey
 from kvtier.policy.base import EvictionPolicy, InsertHint, take_unpinned
@@ -27,6 +27,16 @@ class LRUPolicy(EvictionPolicy):
 
     def remove(self, key: BlockKey) -> None:
         self._order.pop(key, None)
+
+    def insert_new(self, keys: Iterable[BlockKey]) -> None:
+        """:meth:`insert` of keys not tracked yet, in order, in one call (a scheduler's batched store plan)."""
+        self._order.update(dict.fromkeys(keys))
+
+    def remove_all(self, keys: Iterable[BlockKey]) -> None:
+        """:meth:`remove` of each key, in one call."""
+        pop = self._order.pop
+        for key in keys:
+            pop(key, None)
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
         out: list[BlockKey] = []

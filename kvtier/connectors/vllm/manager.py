@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,14 @@ class _Fetch:
         """Whether the finished read staged this key (a failed read did not)."""
         assert self.future is not None
         return self.future.exception() is None and self.future.result() > self.position
+
+
+def _written(plan: Plan) -> list[int]:
+    """Indexes of the keys a plan writes anywhere, ascending (a plan's writes of one tier already are)."""
+    filled = [writes for writes in plan.writes if writes]
+    if len(filled) == 1:
+        return filled[0]
+    return sorted({i for writes in filled for i in writes})
 
 
 class KVTierOffloadManager:
@@ -250,7 +258,9 @@ class KVTierOffloadManager:
         # order): each chunk's predecessor is the chunk before it of the same group in this call (the
         # first one's is not known here). Eviction uses the links to drop a chain's tail before its head.
         last_of_group: dict[int, BlockKey] = {}
-        loadable, storing, block_key_of, staging = self._loadable, self._storing, self._codec.block_key, self._staging
+        loadable, storing, block_key_of = self._loadable, self._storing, self._codec.block_key
+        # () answers `in` at C speed; Staging's __contains__ is a Python call per key
+        staged: Container[BlockKey] = self._staging if len(self._staging) else ()
         for key in keys:
             held = loadable.get(key)
             if held is not None:
@@ -260,7 +270,7 @@ class KVTierOffloadManager:
             block_key = block_key_of(key)
             previous = last_of_group.get(block_key.group_id)
             last_of_group[block_key.group_id] = block_key
-            if key in storing or (staging and block_key in staging):
+            if key in storing or block_key in staged:
                 continue
             chosen.append(key)
             block_keys.append(block_key)
@@ -271,13 +281,14 @@ class KVTierOffloadManager:
             return [], self._spec_type(keys=())
         # the asked chunks already stored stay: pinned while the plan makes room, never its victims
         pinned = self._core.lease(present, self._memory_tiers) if present else None
+        new_hint = tuple.__new__  # InsertHint(...) without its Python-level __new__ (one per stored block)
         try:
-            plan = self._core.plan_store(block_keys, [InsertHint(position=i, predecessor=previous)
+            plan = self._core.plan_store(block_keys, [new_hint(InsertHint, (i, -1, previous))
                                                       for i, previous in enumerate(predecessors)])
         finally:
             if pinned is not None:
                 self._core.release(present, pinned)
-        written = sorted({i for writes in plan.writes for i in writes})
+        written = _written(plan)
         if not written:
             return None if not plan.skipped else ([], self._spec_type(keys=()))
         if len(written) < len(chosen):  # the spec names only the chunks stored: renumber the plan's writes
@@ -291,11 +302,12 @@ class KVTierOffloadManager:
             if self._reset_drops:  # the workers delete what a reset dropped, in order with the stores
                 plan.drops[0].extend(self._reset_drops)
                 self._reset_drops = []
-            planned_keys = tuple(block_keys)
+            self._plans.update(dict.fromkeys(chosen, (plan, tuple(block_keys))))
+        if storing:
             for key in chosen:
-                self._plans[key] = (plan, planned_keys)
-        for key in chosen:
-            storing[key] = storing.get(key, 0) + 1
+                storing[key] = storing.get(key, 0) + 1
+        else:  # nothing in flight (vLLM completes each store before the next step plans): all new
+            storing.update(dict.fromkeys(chosen, 1))
         if self._absent or self._fetching:
             for key in chosen:
                 self._absent.pop(key, None)
@@ -313,12 +325,13 @@ class KVTierOffloadManager:
                     settled.add(id(entry[0]))
                     self._core.settle(entry[0], entry[1], ok=success)
         storing, done = self._storing, []
+        pop = storing.pop
         for key in keys:
-            count = storing.pop(key, 0)
-            if count > 1:
-                storing[key] = count - 1
-            elif count:
+            count = pop(key, 0)
+            if count == 1:
                 done.append(key)
+            elif count:
+                storing[key] = count - 1
         if self._events is not None and success and done:
             self._events.append((done, False))
 

@@ -333,7 +333,8 @@ class OffloadRuntime:
 
     def read(self, keys: Sequence[BlockKey], sources: Sequence[int], out: Sequence[torch.Tensor], *,
              placed: bool = False) -> bool:
-        """Copy leased blocks into ``out`` (1-D uint8 each) on the caller's thread and release the leases.
+        """Copy leased blocks into ``out`` (1-D uint8 each, or one ``[n, nbytes]`` uint8 tensor: typed by one
+        view) on the caller's thread and release the leases.
 
         True if all arrived (False only when :meth:`lease` could not hold one: nothing is copied then).
         Every leased block is in memory — pinned in a memory tier or in staging — so this is memory
@@ -344,7 +345,7 @@ class OffloadRuntime:
         if placed:
             if any(source < 0 for source in sources):  # the scheduler could not pin one: fail, never guess
                 return False
-            self.core.read_placed(keys, sources, [self._typed(key, raw) for key, raw in zip(keys, out, strict=True)])
+            self.core.read_placed(keys, sources, self._typed_blocks(keys, out))
             return True
         try:
             if LOST in sources:
@@ -353,7 +354,9 @@ class OffloadRuntime:
             for i, source in enumerate(sources):
                 if source == STAGED:
                     out[i].copy_(self.staging.get(keys[i]))
-            if from_tiers:
+            if len(from_tiers) == len(keys):  # the usual case: every block pinned in a memory tier
+                self.core.read_leased(keys, sources, self._typed_blocks(keys, out), touch=False)
+            elif from_tiers:
                 self.core.read_leased([keys[i] for i in from_tiers], [sources[i] for i in from_tiers],
                                       [self._typed(keys[i], out[i]) for i in from_tiers], touch=False)
             return True
@@ -420,6 +423,16 @@ class OffloadRuntime:
         if not placed and not all(current(key) for key in keys):
             blocks = [block if current(key) else None for key, block in zip(keys, blocks, strict=True)]
         return await self.core.execute(plan, keys, blocks)
+
+    def _typed_blocks(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """``out`` typed as its blocks' layout: one view of a ``[n, nbytes]`` tensor whose keys are all of one
+        group (a worker's load buffer), else one view per block."""
+        if isinstance(out, torch.Tensor) and out.dim() == 2 and keys:
+            group_id = keys[0].group_id
+            layout = self.core.layouts[group_id]
+            if all(key.group_id == group_id for key in keys) and out.shape == (len(keys), layout.nbytes):
+                return out.view(layout.dtype).view(len(keys), *layout.shape)
+        return [self._typed(key, raw) for key, raw in zip(keys, out, strict=True)]
 
     def _typed(self, key: BlockKey, raw: torch.Tensor) -> torch.Tensor:
         layout = self.core.layouts[key.group_id]

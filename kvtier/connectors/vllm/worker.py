@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -50,6 +50,27 @@ def split_by_group(keys: Sequence[BlockKey], block_ids: Any, group_sizes: Sequen
         out.append((keys_by_group[g], ids[start:start + size]))
         start += size
     return out
+
+
+def _reads(keys: list[BlockKey], sources: list[int], buffers: list[tuple[list[BlockKey], torch.Tensor]]
+           ) -> tuple[list[BlockKey], list[int], Sequence[torch.Tensor], list[int]]:
+    """A load's reads (keys, sources, where each block goes) and the indexes of the keys none of them takes.
+
+    ``buffers``: per group, its keys in load order and its ``[n, nbytes]`` buffer. When one buffer takes
+    every key (one group, the usual case) it goes whole, and the runtime types it with one view, not one
+    per block; otherwise one row per block.
+    """
+    if len(buffers) == 1 and len(buffers[0][0]) == len(keys):  # split_by_group keeps the keys' order
+        return keys, sources, cast("Sequence[torch.Tensor]", buffers[0][1]), []  # its rows are the blocks
+    order = {key: i for i, key in enumerate(keys)}
+    outs: list[torch.Tensor | None] = [None] * len(keys)
+    for group_keys, raw in buffers:
+        for row, key in enumerate(group_keys):
+            outs[order[key]] = raw[row]
+    reads = [i for i, out in enumerate(outs) if out is not None]
+    unread = [i for i, out in enumerate(outs) if out is None]  # a group the engine needs no blocks of
+    return ([keys[i] for i in reads], [sources[i] for i in reads],
+            [cast("torch.Tensor", outs[i]) for i in reads], unread)
 
 
 class KVTierOffloadWorkerCore:
@@ -109,8 +130,7 @@ class KVTierOffloadWorkerCore:
         keys, sources = list(src_spec.keys), list(src_spec.sources)
         groups = split_by_group(keys, dst_spec.block_ids, getattr(dst_spec, "group_sizes", ()), len(self.movers))
         starts = list(getattr(dst_spec, "block_indices", ())) or [0] * len(groups)
-        order = {key: i for i, key in enumerate(keys)}
-        outs: list[torch.Tensor | None] = [None] * len(keys)
+        buffers: list[tuple[list[BlockKey], torch.Tensor]] = []
         scatters = []
         nbytes = 0
         for g, (group_keys, ids) in enumerate(groups):
@@ -121,18 +141,15 @@ class KVTierOffloadWorkerCore:
                 raise LayoutMismatch(f"load of {len(ids)} engine blocks from {len(group_keys)} chunks "
                                      f"(skipping {skip}) does not fit")
             raw = self.runtime.empty_rows(g, len(group_keys), pinned=self._stream is not None)
-            for row, key in enumerate(group_keys):
-                outs[order[key]] = raw[row]
+            buffers.append((group_keys, raw))
             scatters.append((self.movers[g], raw, torch.from_numpy(ids), skip))
             nbytes += raw.numel()
-        reads = [(keys[i], sources[i], out) for i, out in enumerate(outs) if out is not None]
-        unread = [i for i, out in enumerate(outs) if out is None]  # a group the engine needs no blocks of
+        read_keys, read_sources, read_into, unread = _reads(keys, sources, buffers)
         if unread and not src_spec.placed:  # a manager in another process releases its own pins
             self.runtime.release([keys[i] for i in unread], [sources[i] for i in unread])
         future: concurrent.futures.Future[bool] = concurrent.futures.Future()
         try:
-            future.set_result(self.runtime.read([key for key, _, _ in reads], [src for _, src, _ in reads],
-                                                [out for _, _, out in reads], placed=src_spec.placed))
+            future.set_result(self.runtime.read(read_keys, read_sources, read_into, placed=src_spec.placed))
         except Exception as exc:  # reported by get_finished as a failed job, never raised into the step
             future.set_exception(exc)
         job = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter(), scatters=scatters)
