@@ -45,6 +45,7 @@ from kvtier.config import read_config_mapping
 from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.hashing import hash_token_blocks
 from kvtier.layout import BlockLayout, dtype_name
+from kvtier.pages import PageMover
 
 log = logging.getLogger(__name__)
 
@@ -234,26 +235,29 @@ class HFPrefixCache:
     def _unpack(self, blocks: torch.Tensor, kv_cache: Any) -> None:
         """``[n, *layout.shape]`` blocks → per-layer ``[1, heads, n·block_size, head_dim]`` K and V."""
         n, bs = blocks.shape[0], self.layout.block_size
-        logical = self.layout.logical_view(blocks)  # [n, layer, kv, token, head, dim]
+        shape = (1, self.layout.num_kv_heads, n * bs, self.layout.head_dim)
         device = _model_device(self.model)
-        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        tensors = [torch.empty(shape, dtype=self.layout.dtype, device=device)
+                   for _ in range(2 * self.layout.num_layers)]
+        self._mover(tensors, n).scatter(blocks, range(n))
         for layer in range(self.layout.num_layers):
-            kv = [logical[:, layer, i].permute(2, 0, 1, 3).reshape(1, heads, n * bs, dim).to(device)
-                  for i in (0, 1)]
-            kv_cache.update(kv[0], kv[1], layer)
+            kv_cache.update(tensors[2 * layer], tensors[2 * layer + 1], layer)
 
     def _pack(self, kv_cache: Any, start_block: int, end_block: int) -> torch.Tensor:
-        """Blocks ``[start_block, end_block)`` of batch row 0 as ``[n, *layout.shape]`` on the CPU (one copy)."""
-        n, bs = end_block - start_block, self.layout.block_size
-        start, end = start_block * bs, end_block * bs
-        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
-        out = torch.empty((n, *self.layout.shape), dtype=self.layout.dtype)
-        logical = self.layout.logical_view(out)
-        for layer, cached in enumerate(_cache_layers(kv_cache)):
-            for i, tensor in enumerate((cached.keys, cached.values)):
-                rows = tensor[0, :, start:end].reshape(heads, n, bs, dim).permute(1, 2, 0, 3)
-                logical[:, layer, i].copy_(rows)
+        """Blocks ``[start_block, end_block)`` of batch row 0 as ``[n, *layout.shape]`` on the CPU."""
+        out = torch.empty((end_block - start_block, *self.layout.shape), dtype=self.layout.dtype)
+        tensors = [t for layer in _cache_layers(kv_cache) for t in (layer.keys, layer.values)]
+        self._mover(tensors, end_block).gather(range(start_block, end_block), out)
         return out
+
+    def _mover(self, tensors: list[torch.Tensor], num_blocks: int) -> PageMover:
+        """The first ``num_blocks`` blocks of K and V ``[batch, heads, tokens, head_dim]`` tensors (layer
+        order, K before V; batch row 0) as page regions ``[block, heads, token, dim]`` (``HND`` blocks) or
+        ``[block, token, heads, dim]`` (``NHD``)."""
+        bs = self.layout.block_size
+        order = (1, 0, 2, 3) if self.layout.token_layout == "HND" else (1, 2, 0, 3)
+        regions = [t[0, :, :num_blocks * bs].unflatten(1, (num_blocks, bs)).permute(order) for t in tensors]
+        return PageMover(regions, 1, self.layout.nbytes)
 
     def _store_new_blocks(self, kv_cache: Any, output: Any, prompt: list[int], loaded: int) -> int:
         sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)

@@ -208,6 +208,35 @@ def test_bf16_model_round_trips_its_blocks(tmp_path: Path) -> None:
         assert torch.equal(loaded.values, computed.values[:, :, :SHARED])
 
 
+@pytest.mark.parametrize("token_layout", ["HND", "NHD"])
+def test_stored_blocks_hold_each_layers_kv_in_the_layouts_order(model: Any, tmp_path: Path,
+                                                                token_layout: str) -> None:
+    """A block's bytes are ``layout.logical_view``'s ``[layer, K|V, token, head, dim]`` of the cache's K/V,
+    whichever token order the config asks for, and load back into the same tensors."""
+    config = {**tiers(tmp_path / "kv"), "model": {**model_section(model, "tiny"), "token_layout": token_layout}}
+    tokens = prompt(3)[0].tolist()
+    with torch.no_grad():
+        computed = model(prompt(3), use_cache=True)
+    kv = getattr(computed, "cache", None) or computed.past_key_values
+    with HFPrefixCache.from_config(model, config) as reuse:
+        assert reuse.store_prefix(tokens, kv, start_block=1) == len(tokens) // BLOCK - 1
+        keys = reuse.block_keys(tokens)
+        blocks = torch.empty((len(keys), *reuse.layout.shape), dtype=reuse.layout.dtype)
+        assert reuse.cache.load(keys[1:], blocks[1:]) == len(keys) - 1
+        logical = reuse.layout.logical_view(blocks)  # [block, layer, kv, token, head, dim]
+        for layer, cached in enumerate(kv.layers):
+            for i, tensor in enumerate((cached.keys, cached.values)):
+                for b in range(1, len(keys)):
+                    want = tensor[0, :, b * BLOCK:(b + 1) * BLOCK].transpose(0, 1)  # [token, head, dim]
+                    assert torch.equal(logical[b, layer, i], want)
+        reuse.store_prefix(tokens, kv)
+        loaded, count = reuse.load_prefix(tokens + [0])
+    assert count == len(keys) * BLOCK
+    for layer, cached in zip(loaded.layers, kv.layers, strict=True):
+        assert torch.equal(layer.keys, cached.keys[:, :, :count])
+        assert torch.equal(layer.values, cached.values[:, :, :count])
+
+
 # --- misuse -------------------------------------------------------------------------------------------
 def test_a_model_built_in_code_needs_a_name(model: Any, tmp_path: Path) -> None:
     with pytest.raises(KVTierConfigError, match="model_name"):
