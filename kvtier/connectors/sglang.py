@@ -17,8 +17,9 @@ Each block's :class:`~kvtier.BlockLayout` describes its bytes exactly as the hos
 as ``layers`` layers of ``heads·dim`` elements — so ``batch_get_v1``/``batch_set_v1`` hand views of
 the host pool itself to the tiers (zero copy: file reads land in the pool, Redis replies are received
 into it) for ``page_first`` and ``page_first_direct``; ``layer_first`` pages are not contiguous and go
-through one staging copy. Pages written in one layout are never read in another: the layout is part
-of the namespace.
+through one staging copy. The pool's pages are :mod:`kvtier.pages` regions (:meth:`PageGeometry.page_movers`),
+moved by the page mover every connector uses. Pages written in one layout are never read in another:
+the layout is part of the namespace.
 
 Keys. SGLang's page key (a chained SHA-256 of the page's tokens) is hashed with the component into a
 32-byte block hash; the namespace adds what SGLang's own backends put in key suffixes — model name,
@@ -65,6 +66,7 @@ from kvtier.config import load_config, read_config_mapping
 from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.layout import dtype_name, parse_dtype
 from kvtier.metrics import CacheStats
+from kvtier.pages import PageMover
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -140,17 +142,45 @@ class PageGeometry:
         return cls(host_layout=layout, mla=mla, page_size=int(pool.page_size), num_layers=int(num_layers),
                    token_elements=token_elements, dtype=buffer.dtype)
 
+    def page_movers(self, pool: Any) -> list[PageMover]:
+        """One :class:`~kvtier.pages.PageMover` per component over the host pool's ``kv_buffer``.
+
+        Engine block ``b`` of a mover is the page that starts at token ``b`` (``page_first``,
+        ``layer_first``: pages are runs of tokens, whatever their alignment) or page ``b``
+        (``page_first_direct``); :meth:`block_id` maps a host index to it. ``page_first`` and
+        ``page_first_direct`` pages are one contiguous region (moved as views of the pool, no copy);
+        ``layer_first`` pages are one region per layer, gathered into / scattered from staged blocks.
+        """
+        buffer: torch.Tensor = pool.kv_buffer
+        page_bytes = self.component_numel * buffer.element_size()
+        movers = []
+        for part in [buffer] if self.mla else [buffer[0], buffer[1]]:
+            if self.host_layout == "page_first_direct":
+                regions = [part.view(part.shape[0], -1)]
+            elif self.host_layout == "page_first":
+                regions = [_token_pages(part, self.page_size)]
+            else:
+                regions = [_token_pages(part[layer], self.page_size) for layer in range(self.num_layers)]
+            movers.append(PageMover(regions, 1, page_bytes))
+        return movers
+
+    def block_id(self, token_index: int) -> int:
+        """The engine block of the page starting at host index ``token_index`` (see :meth:`page_movers`)."""
+        return token_index // self.page_size if self.host_layout == "page_first_direct" else token_index
+
     def page_views(self, pool: Any, token_index: int) -> list[torch.Tensor]:
         """Zero-copy views (block shaped) of the components of the page starting at ``token_index``."""
-        buffer: torch.Tensor = pool.kv_buffer
-        parts = [buffer] if self.mla else [buffer[0], buffer[1]]
-        if self.host_layout == "page_first":
-            regions = [part[token_index:token_index + self.page_size] for part in parts]
-        elif self.host_layout == "page_first_direct":
-            regions = [part[token_index // self.page_size] for part in parts]
-        else:
+        if not self.zero_copy:
             raise LayoutMismatch(f"{self.host_layout} pages are not contiguous in the host pool")
-        return [self.as_block(region) for region in regions]
+        return self.page_blocks(self.page_movers(pool), self.block_id(token_index))
+
+    def page_blocks(self, movers: Sequence[PageMover], block_id: int) -> list[torch.Tensor]:
+        """The components of engine block ``block_id`` as block-shaped views of the pool (zero copy)."""
+        return [self.as_block(view) for view in _views(movers, block_id, self)]
+
+    def staged_blocks(self, staged: Sequence[torch.Tensor], page: int) -> list[torch.Tensor]:
+        """The components of page ``page`` of :meth:`new_blocks` staging, block shaped."""
+        return [self.as_block(blocks[page]) for blocks in staged]
 
     def split_flat_page(self, page: torch.Tensor) -> list[torch.Tensor]:
         """Block-shaped views of the components of a flat page (``get_data_page(..., flat=True)``)."""
@@ -172,6 +202,31 @@ class PageGeometry:
 
     def new_flat_page(self) -> torch.Tensor:
         return torch.empty(self.component_numel * len(self.components), dtype=self.dtype)
+
+    def new_blocks(self, pages: int) -> list[torch.Tensor]:
+        """Staging for ``pages`` pages: one ``[pages, component_numel]`` tensor per component."""
+        return [torch.empty((pages, self.component_numel), dtype=self.dtype) for _ in self.components]
+
+
+def _token_pages(part: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[tokens, ...]`` (each token contiguous, tokens dense) as overlapping pages: row ``t`` is the
+    ``page_size`` tokens from token ``t`` on."""
+    token = part[0].numel() if part.shape[0] else 0
+    if part.shape[0] > 1 and (part.stride(0) != token or not part[0].is_contiguous()):
+        raise LayoutMismatch(f"SGLang host pool tokens are not dense (shape {tuple(part.shape)}, strides "
+                             f"{part.stride()})")
+    return part.as_strided((max(part.shape[0] - page_size + 1, 0), page_size * token), (token, 1))
+
+
+def _views(movers: Sequence[PageMover], block_id: int, geometry: PageGeometry) -> list[torch.Tensor]:
+    """The components of one page as views of the pool, in the pool's dtype."""
+    views = []
+    for mover in movers:
+        view = mover.block_view(block_id)
+        if view is None:
+            raise LayoutMismatch(f"{geometry.host_layout} pages are not contiguous in the host pool")
+        views.append(view.view(geometry.dtype))
+    return views
 
 
 class _KVTierHiCache:
@@ -196,6 +251,7 @@ class _KVTierHiCache:
         #: Tiers one process owns (cpu, file: an in-memory index per process) vs. tiers shared by design (Redis).
         self.process_local = any(tier.get("type") != "redis" for tier in self._user_config.get("tiers", []))
         self.geometry: PageGeometry | None = None
+        self._movers: list[PageMover] = []
         self._cache: TieredCache | None = None
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
@@ -209,11 +265,12 @@ class _KVTierHiCache:
         """
         self.mem_pool_host = mem_pool_host
         geometry = PageGeometry.of_host_pool(mem_pool_host, self.mla)
+        movers = geometry.page_movers(mem_pool_host)
         config = {**self._user_config, "model": self._model_section(geometry, mem_pool_host),
                   "hash_block_size": geometry.page_size}
         cache = TieredCache.from_config(config)
         with self._lock:
-            old, self._cache, self.geometry = self._cache, cache, geometry
+            old, self._cache, self.geometry, self._movers = self._cache, cache, geometry, movers
         if old is not None:
             old.close()
         if self.mla and self.tp_size > 1 and self.process_local:
@@ -331,25 +388,29 @@ class _KVTierHiCache:
 
     def _get_into_pool(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         _, geometry = self._ready()
-        pool = self.mem_pool_host
-        starts = self._page_starts(keys, host_indices, geometry)
+        movers = self._movers
+        ids = [geometry.block_id(s) for s in self._page_starts(keys, host_indices, geometry)]
         if geometry.zero_copy:
-            return self._load_pages(keys, [geometry.page_views(pool, s) for s in starts])
-        pages = [geometry.new_flat_page() for _ in keys]
-        ok = self._load_pages(keys, [geometry.split_flat_page(p) for p in pages])
-        for hit, start, page in zip(ok, starts, pages, strict=True):
-            if hit:
-                pool.set_from_flat_data_page(start, page)
+            return self._load_pages(keys, [geometry.page_blocks(movers, b) for b in ids])
+        staged = geometry.new_blocks(len(keys))
+        ok = self._load_pages(keys, [geometry.staged_blocks(staged, i) for i in range(len(keys))])
+        hits = [i for i, hit in enumerate(ok) if hit]
+        if hits:
+            rows = torch.tensor(hits)
+            for mover, blocks in zip(movers, staged, strict=True):
+                mover.scatter(blocks if len(hits) == len(keys) else blocks[rows], torch.tensor(ids)[rows])
         return ok
 
     def _set_from_pool(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         _, geometry = self._ready()
-        pool = self.mem_pool_host
-        starts = self._page_starts(keys, host_indices, geometry)
+        movers = self._movers
+        ids = [geometry.block_id(s) for s in self._page_starts(keys, host_indices, geometry)]
         if geometry.zero_copy:
-            return self._store_pages(keys, [geometry.page_views(pool, s) for s in starts])
-        pages = [pool.get_data_page(s, flat=True).contiguous() for s in starts]
-        return self._store_pages(keys, [geometry.split_flat_page(p) for p in pages])
+            return self._store_pages(keys, [geometry.page_blocks(movers, b) for b in ids])
+        staged = geometry.new_blocks(len(keys))
+        for mover, blocks in zip(movers, staged, strict=True):
+            mover.gather(torch.tensor(ids), blocks)
+        return self._store_pages(keys, [geometry.staged_blocks(staged, i) for i in range(len(keys))])
 
     def _get_flat(self, keys: list[str], targets: Sequence[Any]) -> list[torch.Tensor | None]:
         _, geometry = self._ready()

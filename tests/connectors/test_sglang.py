@@ -188,8 +188,12 @@ def test_page_first_pages_are_moved_without_a_copy(make_backend: Callable[..., A
     assert backend.geometry.zero_copy
 
 
-def test_flat_and_zero_copy_paths_read_each_others_pages(make_backend: Callable[..., Any]) -> None:
-    pool = HostPool(layout="page_first")
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
+def test_flat_and_zero_copy_paths_read_each_others_pages(make_backend: Callable[..., Any], layout: str,
+                                                         mla: bool) -> None:
+    """The page mover's blocks hold a page's bytes in the order of SGLang's own flat pages."""
+    pool = HostPool(layout=layout, mla=mla)
     backend = make_backend(pool)
     a, b = keys("a", "b")
     assert backend.set(a, pool.get_data_page(0))
@@ -225,16 +229,21 @@ def test_batch_exists_counts_the_leading_stored_pages(make_backend: Callable[...
     assert backend.exists(d) and not backend.exists(c)
 
 
-def test_missing_keys_are_misses_and_do_not_hide_later_pages(make_backend: Callable[..., Any]) -> None:
-    pool = HostPool()
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_missing_keys_are_misses_and_do_not_hide_later_pages(make_backend: Callable[..., Any],
+                                                             layout: str) -> None:
+    pool = HostPool(layout=layout)
     backend = make_backend(pool)
     a, missing, b = keys("a", "missing", "b")
     assert backend.batch_set_v1([a, b], pool.indices(0, 2)) == [True, True]
     assert backend.get(missing) is None
     pages = backend.batch_get([a, missing, b])
     assert [p is not None for p in pages] == [True, False, True]
+    untouched = pool.get_data_page(9 * pool.page_size).clone()
     assert backend.batch_get_v1([a, missing, b], pool.indices(8, 3)) == [True, False, True]
     assert torch.equal(pool.get_data_page(10 * pool.page_size), pool.get_data_page(pool.page_size))
+    assert torch.equal(pool.get_data_page(8 * pool.page_size), pool.get_data_page(0))
+    assert torch.equal(pool.get_data_page(9 * pool.page_size), untouched)  # the miss: its page left as it was
 
 
 def test_storing_a_stored_key_again_keeps_one_valid_page(make_backend: Callable[..., Any]) -> None:
