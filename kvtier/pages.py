@@ -162,8 +162,15 @@ class PageMover:
         for rows, offset, size, word in self._regions():
             word = _fit(word, blocks)
             dst = blocks[:, offset:offset + size * bpc].view(n, bpc, *rows.shape[1:])
-            src = rows[ids] if isinstance(ids, slice) else rows.index_select(0, ids)
-            _as_words(dst, word).copy_(_as_words(src.view(n, bpc, *rows.shape[1:]), word))
+            if isinstance(ids, slice):
+                _as_words(dst, word).copy_(_as_words(rows[ids].view(n, bpc, *rows.shape[1:]), word))
+            elif blocks.device == self.device:  # gather straight into place: no temporary
+                source = _as_words(rows, word)
+                for within in range(bpc):
+                    torch.index_select(source, 0, ids[within::bpc], out=_as_words(dst[:, within], word))
+            else:
+                src = rows.index_select(0, ids).view(n, bpc, *rows.shape[1:])
+                _as_words(dst, word).copy_(_as_words(src, word))
 
     def scatter(self, blocks: torch.Tensor, block_ids: BlockIds, skip: int = 0) -> None:
         """Write engine blocks ``block_ids`` from offloaded ``blocks``, starting ``skip`` engine blocks in."""
