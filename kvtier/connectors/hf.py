@@ -89,8 +89,8 @@ def _kv_geometry(model: Any) -> dict[str, Any]:
     config = _text_config(model.config)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return {"num_layers": int(config.num_hidden_layers), "num_kv_heads": int(heads), "head_dim": int(head_dim),
-            "dtype": dtype_name(_model_dtype(model))}
+    return {"num_layers": int(config.num_hidden_layers), "num_kv_heads": int(heads),
+            "head_dim": int(head_dim), "dtype": dtype_name(_model_dtype(model))}
 
 
 class HFPrefixCache:
@@ -106,7 +106,8 @@ class HFPrefixCache:
         self.cache = cache
         self.owns_cache = owns_cache
         if not cache.spec.groups:
-            raise LayoutMismatch("the cache has no KV-cache groups; a causal LM needs one full-attention group")
+            raise LayoutMismatch("the cache has no KV-cache groups; a causal LM needs one full-attention "
+                                 "group")
         self.group: KVGroup = cache.spec.groups[0]
         self.layout: BlockLayout = self.group.layout
         self._check_layout()
@@ -197,8 +198,8 @@ class HFPrefixCache:
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
         if ids.dim() != 2 or ids.shape[0] != 1:
-            raise ValueError(f"HFPrefixCache.generate takes one prompt ([1, T] ids), got shape {tuple(ids.shape)}; "
-                             f"call it once per prompt")
+            raise ValueError(f"HFPrefixCache.generate takes one prompt ([1, T] ids), got shape "
+                             f"{tuple(ids.shape)}; call it once per prompt")
         if ids.shape[1] == 0:
             raise ValueError("the prompt is empty")
         return ids.to(device=device, dtype=torch.long)
@@ -272,26 +273,28 @@ class HFPrefixCache:
     def _check_layout(self) -> None:
         expected = _kv_geometry(self.model)
         layout = self.layout
-        found = {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
-                 "dtype": dtype_name(layout.dtype)}
+        found = {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+                 "head_dim": layout.head_dim, "dtype": dtype_name(layout.dtype)}
         wrong = {k: (v, expected[k]) for k, v in found.items() if v != expected[k]}
         if layout.kv_factor != 2:
             wrong["mla"] = (True, False)
         if wrong:
             detail = ", ".join(f"{k}={have} but the model has {want}" for k, (have, want) in wrong.items())
-            raise LayoutMismatch(f"the cache's block layout ({layout.describe()}) does not fit the model: {detail}")
+            raise LayoutMismatch(f"the cache's block layout ({layout.describe()}) does not fit the model: "
+                                 f"{detail}")
 
     def _check_full_attention(self) -> None:
         try:
             from transformers.cache_utils import DynamicLayer
         except ImportError:
-            raise LayoutMismatch("this transformers release has no cache layers; kvtier needs transformers >= 4.56") \
-                from None
+            raise LayoutMismatch("this transformers release has no cache layers; kvtier needs "
+                                 "transformers >= 4.56") from None
         layers = self._new_dynamic_cache().layers
         others = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
         if others:
-            raise LayoutMismatch(f"the model's KV cache has {', '.join(others)} layers (sliding-window, chunked or "
-                                 f"hybrid attention); kvtier's prefix reuse needs full attention in every layer")
+            raise LayoutMismatch(f"the model's KV cache has {', '.join(others)} layers (sliding-window, "
+                                 f"chunked or hybrid attention); kvtier's prefix reuse needs full attention "
+                                 f"in every layer")
         if layers and len(layers) != self.layout.num_layers:
             raise LayoutMismatch(f"the model's cache has {len(layers)} layers, the block layout "
                                  f"{self.layout.num_layers}")

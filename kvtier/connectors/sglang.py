@@ -39,9 +39,10 @@ Configuration: SGLang's ``--hicache-storage-backend-extra-config`` JSON names th
 configuration is validated when SGLang constructs the backend, so a bad key fails the launch with its
 key path; the tiers are built when SGLang registers its host pool (the page geometry is known then).
 
-Failures (docs/architecture.md#failure-contract): a tier fault is a miss or a failed store. Every public method also turns an
-unexpected exception into a miss / ``False`` and logs it: SGLang calls these methods on daemon threads
-that are never restarted, so an exception there would silently switch L3 off for good.
+Failures (docs/architecture.md#failure-contract): a tier fault is a miss or a failed store. Every
+public method also turns an unexpected exception into a miss / ``False`` and logs it: SGLang calls
+these methods on daemon threads that are never restarted, so an exception there would silently
+switch L3 off for good.
 
 sglang is imported lazily: ``KVTierHiCacheStorage`` is created on first access to the attribute (SGLang
 does that through ``getattr(module, class_name)``), so this module imports without sglang installed.
@@ -123,12 +124,14 @@ class PageGeometry:
         layout = str(getattr(pool, "layout", ""))
         if layout not in SUPPORTED_LAYOUTS:
             raise LayoutMismatch(f"SGLang host pool layout {layout!r} is not supported by kvtier; use "
-                                 f"--hicache-mem-layout page_first (zero copy), page_first_direct or layer_first")
+                                 f"--hicache-mem-layout page_first (zero copy), page_first_direct or "
+                                 f"layer_first")
         buffer: torch.Tensor = pool.kv_buffer
         shape = tuple(buffer.shape)
         # MHA: (2, tokens, L, H, D) | (2, pages, L, P, H, D) | (2, L, tokens, H, D)
         # MLA: (tokens, L, 1, D)    | (pages, L, P, 1, D)    | (L, tokens, 1, D)
-        expected_dims = {"page_first": 5, "page_first_direct": 6, "layer_first": 5}[layout] - (1 if mla else 0)
+        dims = {"page_first": 5, "page_first_direct": 6, "layer_first": 5}
+        expected_dims = dims[layout] - (1 if mla else 0)
         if len(shape) != expected_dims or (not mla and shape[0] != 2):
             raise LayoutMismatch(f"SGLang host pool kv_buffer has shape {shape}, which is not a "
                                  f"{'MLA' if mla else 'MHA'} {layout} pool")
@@ -187,7 +190,8 @@ class PageGeometry:
         flat = page.reshape(-1) if page.is_contiguous() else None
         if flat is not None and flat.dtype != self.dtype and flat.element_size() == self.dtype.itemsize:
             flat = flat.view(self.dtype)  # e.g. an fp8 page held as uint8: the same bytes
-        if flat is None or flat.numel() != self.component_numel * len(self.components) or flat.dtype != self.dtype:
+        numel = self.component_numel * len(self.components)
+        if flat is None or flat.numel() != numel or flat.dtype != self.dtype:
             raise LayoutMismatch(f"a flat page must be a contiguous {self.dtype} tensor of "
                                  f"{self.component_numel * len(self.components)} elements, got "
                                  f"{page.dtype} of shape {tuple(page.shape)}")
@@ -248,7 +252,8 @@ class _KVTierHiCache:
         self.tp_size = int(getattr(storage_config, "tp_size", 1))
         writer = getattr(storage_config, "is_storage_writer", None)
         self.is_writer = bool(writer) if writer is not None else (not self.mla or self.tp_rank == 0)
-        #: Tiers one process owns (cpu, file: an in-memory index per process) vs. tiers shared by design (Redis).
+        #: Tiers one process owns (cpu, file: an in-memory index per process) vs. tiers shared by design
+        #: (Redis).
         self.process_local = any(tier.get("type") != "redis" for tier in self._user_config.get("tiers", []))
         self.geometry: PageGeometry | None = None
         self._movers: list[PageMover] = []
@@ -274,9 +279,10 @@ class _KVTierHiCache:
         if old is not None:
             old.close()
         if self.mla and self.tp_size > 1 and self.process_local:
-            log.warning("kvtier HiCache backend: MLA with TP %d over a file or CPU tier: ranks other than the "
-                        "writer see only the pages on disk when they started (those tiers index at start, per "
-                        "process); give the backend a Redis tier to share new MLA pages across ranks", self.tp_size)
+            log.warning("kvtier HiCache backend: MLA with TP %d over a file or CPU tier: ranks other than "
+                        "the writer see only the pages on disk when they started (those tiers index at "
+                        "start, per process); give the backend a Redis tier to share new MLA pages across "
+                        "ranks", self.tp_size)
         log.info("kvtier HiCache backend: %s pages of %d tokens, %s, namespace %s, tiers %s%s",
                  geometry.host_layout, geometry.page_size, dtype_name(geometry.dtype),
                  cache.core.namespace.id if cache.core.namespace else "-", [t.name for t in cache.core.tiers],
@@ -305,11 +311,13 @@ class _KVTierHiCache:
     # --- HiCacheStorage: zero-copy path (interface_v1) -----------------------------------------------------
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Read pages straight into the host pool at ``host_indices`` (``page_size`` indices per key)."""
-        return self._guard("batch_get_v1", [False] * len(keys), lambda: self._get_into_pool(keys, host_indices))
+        return self._guard("batch_get_v1", [False] * len(keys),
+                           lambda: self._get_into_pool(keys, host_indices))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Store the host-pool pages at ``host_indices`` (``page_size`` indices per key)."""
-        return self._guard("batch_set_v1", [False] * len(keys), lambda: self._set_from_pool(keys, host_indices))
+        return self._guard("batch_set_v1", [False] * len(keys),
+                           lambda: self._set_from_pool(keys, host_indices))
 
     # --- HiCacheStorage: copying path --------------------------------------------------------------------
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -378,7 +386,8 @@ class _KVTierHiCache:
             return [True] * len(keys)
         return [cache.lookup(page) == len(page) for page in block_keys]
 
-    def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor, geometry: PageGeometry) -> list[int]:
+    def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor,
+                     geometry: PageGeometry) -> list[int]:
         indices = host_indices.reshape(-1)
         if indices.numel() != len(keys) * geometry.page_size:
             raise LayoutMismatch(f"{len(keys)} pages need {len(keys) * geometry.page_size} host indices, "
@@ -468,8 +477,8 @@ def _user_config(extra: Mapping[str, Any]) -> dict[str, Any]:
     data = read_config_mapping(source if isinstance(source, Mapping) else Path(str(source)), where=path)
     for key in _DERIVED_KEYS:
         if key in data:
-            raise KVTierConfigError(key, "comes from SGLang's host pool (model, page size); remove it from the "
-                                         "kvtier config of the SGLang backend")
+            raise KVTierConfigError(key, "comes from SGLang's host pool (model, page size); remove it from "
+                                         "the kvtier config of the SGLang backend")
     probe = {"name": "config-check", "num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "mla": True}
     load_config({**data, "model": probe})
     return dict(data)
@@ -487,8 +496,8 @@ def storage_class() -> type:
             try:
                 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
             except ImportError as exc:
-                raise ImportError(f"kvtier's HiCache backend runs inside SGLang, which failed to import: {exc} "
-                                  f"(pip install 'sglang>=0.5')") from exc
+                raise ImportError(f"kvtier's HiCache backend runs inside SGLang, which failed to import: "
+                                  f"{exc} (pip install 'sglang>=0.5')") from exc
 
             class KVTierHiCacheStorage(_KVTierHiCache, HiCacheStorage):
                 __doc__ = _KVTierHiCache.__doc__

@@ -123,8 +123,8 @@ def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst
     src_bytes = _block_bytes(src, "src")
     dst_bytes = _block_bytes(dst, "dst")
     if src_bytes.shape[1] != dst_bytes.shape[1]:
-        raise LayoutMismatch(f"src blocks have {src_bytes.shape[1]} bytes ({tuple(src.shape)} {src.dtype}) but "
-                             f"dst blocks have {dst_bytes.shape[1]} ({tuple(dst.shape)} {dst.dtype})")
+        raise LayoutMismatch(f"src blocks have {src_bytes.shape[1]} bytes ({tuple(src.shape)} {src.dtype}) "
+                             f"but dst blocks have {dst_bytes.shape[1]} ({tuple(dst.shape)} {dst.dtype})")
     src_index = _check_ids(src_ids, src_bytes.shape[0], "src_ids", src.device, unique=False)
     dst_index = _check_ids(dst_ids, dst_bytes.shape[0], "dst_ids", dst.device, unique=True)
     count = src_index.numel()
@@ -196,7 +196,8 @@ def _check_block_tensor(blocks: torch.Tensor, block: BlockLayout, count: int, de
         raise LayoutMismatch(f"{what} is on {blocks.device} but the layers are on {device}")
 
 
-def _check_ids(ids: torch.Tensor, num_blocks: int, what: str, device: torch.device, *, unique: bool) -> torch.Tensor:
+def _check_ids(ids: torch.Tensor, num_blocks: int, what: str, device: torch.device, *,
+               unique: bool) -> torch.Tensor:
     """Validate block ids (1-D integers in ``[0, num_blocks)``); return them as int64 on ``device``.
 
     Costs one device sync on a GPU (the range check), which a reference implementation can afford.
@@ -216,7 +217,8 @@ def _check_ids(ids: torch.Tensor, num_blocks: int, what: str, device: torch.devi
         ordered = torch.sort(index).values
         repeated = ordered[1:][ordered[1:] == ordered[:-1]]
         if repeated.numel():
-            raise LayoutMismatch(f"{what} must not repeat a block, got {repeated.unique()[:8].tolist()} twice or more")
+            raise LayoutMismatch(f"{what} must not repeat a block, got {repeated.unique()[:8].tolist()} "
+                                 f"twice or more")
     return index
 
 
@@ -225,7 +227,8 @@ def _block_bytes(blocks: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(blocks, torch.Tensor):
         raise LayoutMismatch(f"{what} must be a torch.Tensor, got {type(blocks).__name__}")
     if blocks.dim() < 2:
-        raise LayoutMismatch(f"{what} must be a block buffer [num_blocks, ...], got shape {tuple(blocks.shape)}")
+        raise LayoutMismatch(f"{what} must be a block buffer [num_blocks, ...], got shape "
+                             f"{tuple(blocks.shape)}")
     if blocks.shape[1:].numel() == 0:
         raise LayoutMismatch(f"{what} has empty blocks, shape {tuple(blocks.shape)}")
     expected_stride = 1
