@@ -328,8 +328,9 @@ def _page_rows(region: Region, index: int) -> torch.Tensor:
 
 
 def _strides(rows: torch.Tensor) -> list[int]:
-    """Byte strides of a page view's block and row dims that matter (dims of one entry have none)."""
-    return [stride for extent, stride in zip(rows.shape[:-1], rows.stride()[:-1], strict=True) if extent > 1]
+    """Byte strides of a page view's block and row dims (torch checks them all when viewing as words,
+    even those of a dim of one entry)."""
+    return list(rows.stride()[:-1])
 
 
 def _bytes(tensor: torch.Tensor, what: str) -> torch.Tensor:

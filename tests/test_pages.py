@@ -185,3 +185,14 @@ def test_the_torch_mover_is_chosen_off_cuda() -> None:
     assert type(mover) is PageMover
     with pytest.raises(LayoutMismatch, match="CUDA device, got cpu"):
         CudaPageMover([torch.zeros((4, 64), dtype=torch.uint8)], 1, 64, stream=None)  # type: ignore[arg-type]
+
+
+def test_words_follow_every_stride_even_of_a_single_block() -> None:
+    """A one-block region whose block stride is 2 bytes moves in 2-byte words, not 8 (torch refuses those)."""
+    region = torch.arange(8, dtype=torch.int16).as_strided((1, 4), (1, 1))
+    mover = PageMover([region], 1, 8)
+    out = torch.empty((1, 8), dtype=torch.uint8)
+    mover.gather(torch.tensor([0]), out)
+    assert out.view(torch.int16).tolist() == [[0, 1, 2, 3]]
+    mover.scatter(torch.full((1, 8), 1, dtype=torch.uint8), range(1))
+    assert region.tolist() == [[257] * 4]
