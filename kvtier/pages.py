@@ -184,11 +184,21 @@ class PageMover:
         for rows, offset, size, word in self._regions():
             word = _fit(word, source)
             pages = source[:, offset:offset + size * bpc].view(n, bpc, *rows.shape[1:])
-            pages = pages.reshape(n * bpc, *rows.shape[1:])[skip:skip + count].to(self.device)
-            if isinstance(ids, slice):
-                _as_words(rows[ids], word).copy_(_as_words(pages, word))
-            else:
-                _as_words(rows, word).index_copy_(0, ids, _as_words(pages, word))
+            if isinstance(ids, slice) or bpc == 1:
+                pages = pages.reshape(n * bpc, *rows.shape[1:])[skip:skip + count].to(self.device)
+                if isinstance(ids, slice):
+                    _as_words(rows[ids], word).copy_(_as_words(pages, word))
+                else:
+                    _as_words(rows, word).index_copy_(0, ids, _as_words(pages, word))
+                continue
+            for within in range(bpc):  # each engine block position of a chunk: no copy of the pages first
+                first = (within - skip) % bpc  # the first of block_ids at that position
+                if first >= count:
+                    continue
+                chunk = (skip + first) // bpc
+                taken = ids[first::bpc]
+                src = pages[chunk:chunk + taken.numel(), within].to(self.device)
+                _as_words(rows, word).index_copy_(0, taken, _as_words(src, word))
 
     def _regions(self) -> Iterator[tuple[torch.Tensor, int, int, int]]:
         return zip(self.pages, self.offsets, self.page_sizes, self._words, strict=True)
