@@ -113,7 +113,7 @@ class PageMover:
 
     @property
     def regions(self) -> list[tuple[torch.Tensor, int]]:
-        """``(rows, page_bytes)`` per region: ``rows`` a ``[num_blocks, rows, row_bytes]`` uint8 view."""
+        """``(rows, page_bytes)`` per region: ``rows`` a ``[num_blocks, ..., row_bytes]`` uint8 view."""
         return list(zip(self.pages, self.page_sizes, strict=True))
 
     def block_view(self, block_id: int) -> torch.Tensor | None:
@@ -123,14 +123,14 @@ class PageMover:
         engine blocks per chunk): those blocks move with :meth:`gather` and :meth:`scatter`.
         """
         rows = self.pages[0]
-        dense = rows.shape[1] == 1 or rows.stride(1) == rows.shape[2]
+        dense = rows.dim() == 3 and rows.shape[1] == 1  # a dense page collapses into one row
         if not self.cross_layer or self.blocks_per_chunk != 1 or not dense:
             return None
         if not 0 <= block_id < self.num_blocks:
             raise LayoutMismatch(f"engine block {block_id} out of range [0, {self.num_blocks})")
         return rows[block_id].view(-1)
 
-    def piece_addresses(self, block_ids: torch.Tensor, blocks_base: int,
+    def piece_addresses(self, block_ids: BlockIds, blocks_base: int,
                         skip: int = 0) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Where every piece of a move is: ``(piece bytes, engine addresses, block addresses)`` by size.
 

@@ -154,6 +154,10 @@ def test_block_view_is_the_engine_memory_when_a_block_is_one_contiguous_page() -
         cross.block_view(4)
     per_layer = PageMover([base[:, 0], base[:, 1]], 1, 64)
     assert per_layer.block_view(0) is None
+    dense = torch.zeros((4, 2, 4, 4), dtype=torch.float16)  # [block, ...] dims that lie densely: one page
+    assert PageMover([dense], 1, 64).block_view(1) is not None
+    # token-major rows of a head-major page
+    assert PageMover([dense.transpose(1, 2)], 1, 64).block_view(1) is None
 
 
 def test_bad_layouts_and_moves_are_refused_by_name() -> None:
