@@ -44,12 +44,14 @@ from kvtier.connectors.hf import HFPrefixCache
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefix", type=int, default=2000, help="shared prefix tokens (default 2000)")
-    parser.add_argument("--suffix", type=int, default=50, help="tokens of each request's own tail (default 50)")
+    parser.add_argument("--suffix", type=int, default=50,
+                        help="tokens of each request's own tail (default 50)")
     parser.add_argument("--requests", type=int, default=10, help="requests (default 10)")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request (default 8)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size (default 512; head_dim 64)")
-    parser.add_argument("--kv-heads", type=int, default=4, help="KV heads (default 4, grouped-query attention)")
+    parser.add_argument("--kv-heads", type=int, default=4,
+                        help="KV heads (default 4, grouped-query attention)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--block", type=int, default=16, help="tokens per kvtier block (default 16)")
@@ -63,8 +65,9 @@ def build_model(args: argparse.Namespace) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = args.hidden // 64
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.6875),
-                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=args.kv_heads,
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                         intermediate_size=int(args.hidden * 2.6875), num_hidden_layers=args.layers,
+                         num_attention_heads=heads, num_key_value_heads=args.kv_heads,
                          max_position_embeddings=args.prefix + args.suffix + args.new_tokens + 64,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(args.seed)
@@ -184,10 +187,12 @@ def main(argv: list[str]) -> None:
     for column in ("configuration", "set", "total s", "speed-up", "1st token s: req 1", "reqs 2+ (mean)",
                    "speed-up 1st token", "prompt tokens computed", "tokens loaded", "blocks loaded from",
                    "same tokens"):
-        table.add_column(column, justify="left" if column in ("configuration", "blocks loaded from") else "right")
+        left = column in ("configuration", "blocks loaded from")
+        table.add_column(column, justify="left" if left else "right")
     for row in rows:
         baseline = baselines[row.requests]
-        rest, base_rest = row.first_token_seconds[1:] or row.first_token_seconds, baseline.first_token_seconds[1:]
+        rest = row.first_token_seconds[1:] or row.first_token_seconds
+        base_rest = baseline.first_token_seconds[1:]
         same = all(torch.equal(a, b) for a, b in zip(row.outputs, baseline.outputs, strict=True))
         hits = ", ".join(f"{tier} {count}" for tier, count in row.hits.items()) or "-"
         table.add_row(row.label, row.requests, f"{sum(row.seconds):.2f}",
@@ -196,9 +201,9 @@ def main(argv: list[str]) -> None:
                       f"{row.computed_tokens:,}", f"{row.reused_tokens:,}", hits, "yes" if same else "NO")
     console.print(table)
     params = sum(p.numel() for p in model.parameters())
-    console.print(f"model: random Llama, {args.layers} layers, hidden {args.hidden}, {args.kv_heads} KV heads, "
-                  f"{params / 1e6:.0f} M parameters, {args.dtype}; blocks of {args.block} tokens; torch "
-                  f"{torch.__version__}, {torch.get_num_threads()} CPU thread(s)")
+    console.print(f"model: random Llama, {args.layers} layers, hidden {args.hidden}, {args.kv_heads} KV "
+                  f"heads, {params / 1e6:.0f} M parameters, {args.dtype}; blocks of {args.block} tokens; "
+                  f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s)")
     console.print("command: python benchmarks/bench_hf.py " + " ".join(argv))
 
 

@@ -7,7 +7,8 @@ Moves N engine blocks of a Llama-3.1-8B-shaped cache (32 layers, 8 KV heads, hea
 the same run against the same baseline:
 
 * per-layer, naive: ``2 × num_layers`` copies per block (the baseline, what classic offload does),
-* per-layer, ``pack_blocks``: the torch reference gather, one batched op per layer,
+* per-layer, ``pack_blocks``: the torch reference gather, i.e. the page mover's (``kvtier.pages``)
+  gather over the layers as regions, one batched op per layer,
 * cross-layer, one copy per block (the source made with ``make_cross_layer_kv``),
 * cross-layer, ``copy_blocks``: one batched copy for all blocks.
 
@@ -37,7 +38,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=256, help="blocks moved per call (default 256)")
     parser.add_argument("--pool", type=int, default=0,
-                        help="engine blocks in the source cache (default 2 × blocks; ids are a random subset)")
+                        help="engine blocks in the source cache (default 2 × blocks; ids are a random "
+                             "subset)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per method (default 5)")
     parser.add_argument("--threads", type=int, default=1,
@@ -50,7 +52,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_round_robin(methods: list[Callable[[], None]], repeats: int, device: torch.device) -> list[list[float]]:
+def timed_round_robin(methods: list[Callable[[], None]], repeats: int,
+                      device: torch.device) -> list[list[float]]:
     """Seconds of each call, the methods taking turns so a load spike on a shared machine hits all alike."""
     samples: list[list[float]] = [[] for _ in methods]
     for _ in range(repeats):
@@ -67,7 +70,8 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    block = BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)  # Llama-3.1-8B
+    # Llama-3.1-8B
+    block = BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float16)
     num_blocks = args.pool or 2 * args.blocks
     per_layer = PerLayerLayout(PerLayerKind.FLASH_ATTN, "NHD")
 
@@ -130,13 +134,13 @@ def main(argv: list[str]) -> None:
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for (name, ops, _), times in zip(methods, samples, strict=True):
         median = statistics.median(times)
-        table.add_row(name, ops, f"{median * 1e3:.1f}", f"{min(times) * 1e3:.1f}", f"{moved / median / 1e9:.2f}",
-                      f"{baseline / median:.2f}×")
+        table.add_row(name, ops, f"{median * 1e3:.1f}", f"{min(times) * 1e3:.1f}",
+                      f"{moved / median / 1e9:.2f}", f"{baseline / median:.2f}×")
     console = Console(width=max(Console().width, 110))
     console.print(table)
-    console.print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s), {args.repeats} timed calls "
-                  f"per method taking turns after 1 warm-up; GB/s and ratio from the median; load average "
-                  f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    console.print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU thread(s), {args.repeats} timed "
+                  f"calls per method taking turns after 1 warm-up; GB/s and ratio from the median; load "
+                  f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     console.print("command: python benchmarks/bench_layout.py " + " ".join(argv))
 
 

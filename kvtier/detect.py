@@ -59,18 +59,20 @@ def detect_kv_layout(kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tens
     names, tensors = _named_tensors(kv_caches)
     first = tensors[0]
     for name, tensor in zip(names, tensors, strict=True):
-        if tuple(tensor.shape) != tuple(first.shape) or tensor.dtype != first.dtype or tensor.device != first.device:
-            raise LayoutMismatch(f"{name} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} but {names[0]} "
-                                 f"is {tuple(first.shape)} {first.dtype} on {first.device}; all layers of one "
-                                 f"KV group must match")
+        if tuple(tensor.shape) != tuple(first.shape) or tensor.dtype != first.dtype \
+                or tensor.device != first.device:
+            raise LayoutMismatch(f"{name} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} but "
+                                 f"{names[0]} is {tuple(first.shape)} {first.dtype} on {first.device}; all "
+                                 f"layers of one KV group must match")
     dtype = parse_dtype(first.dtype)
-    per_layer, num_blocks = _per_layer_layout(names[0], tuple(first.shape), block_size, num_kv_heads, head_dim, hint)
+    per_layer, num_blocks = _per_layer_layout(names[0], tuple(first.shape), block_size, num_kv_heads,
+                                              head_dim, hint)
     mla = per_layer.kind is PerLayerKind.MLA
     views = [layer_logical_view(tensor, per_layer) for tensor in tensors]
 
     def block_layout(token_layout: TokenLayout) -> BlockLayout:
-        return BlockLayout(num_layers=len(tensors), num_kv_heads=1 if mla else num_kv_heads, head_dim=head_dim,
-                           block_size=block_size, dtype=dtype, kv_factor=1 if mla else 2,
+        return BlockLayout(num_layers=len(tensors), num_kv_heads=1 if mla else num_kv_heads,
+                           head_dim=head_dim, block_size=block_size, dtype=dtype, kv_factor=1 if mla else 2,
                            token_layout=token_layout)
 
     found = _cross_layer_strides(tensors, views, per_layer.token_layout)
@@ -105,7 +107,8 @@ def make_cross_layer_kv(num_blocks: int, block: BlockLayout,
     return base, [logical[:, layer].transpose(0, 1) for layer in range(block.num_layers)]
 
 
-def _named_tensors(kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+def _named_tensors(kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                   ) -> tuple[list[str], list[torch.Tensor]]:
     if isinstance(kv_caches, Mapping):
         names, tensors = [str(name) for name in kv_caches], list(kv_caches.values())
     elif isinstance(kv_caches, torch.Tensor):
@@ -169,7 +172,8 @@ def _normalise_hint(hint: PerLayerKind | PerLayerLayout) -> PerLayerKind | PerLa
 def _fits_hint(layout: PerLayerLayout, hint: PerLayerKind | PerLayerLayout) -> bool:
     if isinstance(hint, PerLayerKind):
         return layout.kind is hint
-    return layout.kind is hint.kind and (layout.kind is PerLayerKind.MLA or layout.token_layout == hint.token_layout)
+    return layout.kind is hint.kind and (layout.kind is PerLayerKind.MLA
+                                         or layout.token_layout == hint.token_layout)
 
 
 def _cross_layer_strides(tensors: list[torch.Tensor], views: list[torch.Tensor],
@@ -189,8 +193,9 @@ def _cross_layer_strides(tensors: list[torch.Tensor], views: list[torch.Tensor],
     num_blocks, kv, tokens, heads, dim = first.shape
     layer_elems = kv * tokens * heads * dim
     other: TokenLayout = "HND" if preferred == "NHD" else "NHD"
-    token_layout = next((layout for layout in (preferred, other)
-                         if _is_contiguous_in(first, (1, 2, 3, 4) if layout == "NHD" else (1, 3, 2, 4))), None)
+    orders = {"NHD": (1, 2, 3, 4), "HND": (1, 3, 2, 4)}
+    token_layout = next((layout for layout in (preferred, other) if _is_contiguous_in(first, orders[layout])),
+                        None)
     if token_layout is None:
         return None
     offset = first.storage_offset()

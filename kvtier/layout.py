@@ -66,9 +66,11 @@ class BlockLayout:
             if not isinstance(value, int) or value <= 0:
                 raise LayoutMismatch(f"BlockLayout.{name} must be a positive int, got {value!r}")
         if self.kv_factor not in (1, 2):
-            raise LayoutMismatch(f"BlockLayout.kv_factor must be 2 (K and V) or 1 (MLA), got {self.kv_factor!r}")
+            raise LayoutMismatch(f"BlockLayout.kv_factor must be 2 (K and V) or 1 (MLA), got "
+                                 f"{self.kv_factor!r}")
         if self.token_layout not in ("NHD", "HND"):
-            raise LayoutMismatch(f"BlockLayout.token_layout must be 'NHD' or 'HND', got {self.token_layout!r}")
+            raise LayoutMismatch(f"BlockLayout.token_layout must be 'NHD' or 'HND', got "
+                                 f"{self.token_layout!r}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
 
     @property
@@ -122,7 +124,8 @@ class BlockLayout:
     def logical_view(self, blocks: torch.Tensor) -> torch.Tensor:
         """View ``[n, *shape]`` blocks as ``[n, *logical_shape]`` (a permutation, never a copy)."""
         if tuple(blocks.shape[1:]) != self.shape:
-            raise LayoutMismatch(f"blocks have shape {tuple(blocks.shape)}, expected [n, {', '.join(map(str, self.shape))}]")
+            raise LayoutMismatch(f"blocks have shape {tuple(blocks.shape)}, expected "
+                                 f"[n, {', '.join(map(str, self.shape))}]")
         if self.token_layout == "NHD":
             return blocks
         return blocks.permute(0, 1, 2, 4, 3, 5)
@@ -132,7 +135,8 @@ class BlockLayout:
         if not isinstance(blocks, torch.Tensor):
             raise LayoutMismatch(f"{what} must be a torch.Tensor, got {type(blocks).__name__}")
         if blocks.dtype != self.dtype:
-            raise LayoutMismatch(f"{what} have dtype {blocks.dtype}, expected {self.dtype} ({self.describe()})")
+            raise LayoutMismatch(f"{what} have dtype {blocks.dtype}, expected {self.dtype} "
+                                 f"({self.describe()})")
         if blocks.dim() != len(self.shape) + 1 or tuple(blocks.shape[1:]) != self.shape:
             raise LayoutMismatch(
                 f"{what} have shape {tuple(blocks.shape)}, expected [n, {', '.join(map(str, self.shape))}] "
@@ -167,7 +171,8 @@ class PerLayerLayout:
             raise LayoutMismatch(f"unknown per-layer kind {self.kind!r}; use one of "
                                  f"{[k.value for k in PerLayerKind]}") from None
         if self.token_layout not in ("NHD", "HND"):
-            raise LayoutMismatch(f"PerLayerLayout.token_layout must be 'NHD' or 'HND', got {self.token_layout!r}")
+            raise LayoutMismatch(f"PerLayerLayout.token_layout must be 'NHD' or 'HND', got "
+                                 f"{self.token_layout!r}")
         if self.kind is PerLayerKind.MLA:
             object.__setattr__(self, "token_layout", "NHD")  # one head: NHD and HND are the same bytes
 

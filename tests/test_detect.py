@@ -104,7 +104,8 @@ def test_layers_out_of_storage_order_are_per_layer_and_still_pack_correctly() ->
     packed = torch.empty((2, *found.block.shape), dtype=block.dtype)
     pack_blocks(shuffled, torch.tensor([4, 2]), FA, found.block, packed)
     unpack_blocks(packed, restored, torch.tensor([4, 2]), FA, found.block)
-    assert all(torch.equal(back[:, [4, 2]], view[:, [4, 2]]) for back, view in zip(restored, shuffled, strict=True))
+    assert all(torch.equal(back[:, [4, 2]], view[:, [4, 2]])
+               for back, view in zip(restored, shuffled, strict=True))
 
 
 def test_mla_per_layer_and_cross_layer() -> None:
@@ -162,7 +163,8 @@ def test_errors_name_the_bad_layer() -> None:
         detect({"model.layers.0": good, "model.layers.1": good.float()})
     with pytest.raises(LayoutMismatch, match=r"layer 1 is \(2, 6, 4, 2, 8\)"):
         detect([good, torch.zeros((2, 6, 4, 2, 8), dtype=torch.float16)])
-    with pytest.raises(LayoutMismatch, match=r"layer 0 has shape \(2, 5, 4, 3, 8\), which is no paged KV layout"):
+    with pytest.raises(LayoutMismatch,
+                       match=r"layer 0 has shape \(2, 5, 4, 3, 8\), which is no paged KV layout"):
         detect([torch.zeros((2, 5, 4, 3, 8))])
     with pytest.raises(LayoutMismatch, match=r"dtype torch.int32 is not supported"):
         detect([torch.zeros((2, 5, 4, 2, 8), dtype=torch.int32)])
@@ -187,12 +189,15 @@ def test_offset_views_keep_their_offset_in_base() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(num_layers=st.integers(1, 4), heads=st.integers(1, 4), head_dim=st.integers(1, 16),
-       block_size=st.integers(1, 8), num_blocks=st.integers(1, 6), token_layout=st.sampled_from(["NHD", "HND"]),
+       block_size=st.integers(1, 8), num_blocks=st.integers(1, 6),
+       token_layout=st.sampled_from(["NHD", "HND"]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]))
-def test_detection_recovers_any_cross_layer_buffer(num_layers: int, heads: int, head_dim: int, block_size: int,
-                                                   num_blocks: int, token_layout: TokenLayout, dtype: torch.dtype) -> None:
+def test_detection_recovers_any_cross_layer_buffer(num_layers: int, heads: int, head_dim: int,
+                                                   block_size: int, num_blocks: int,
+                                                   token_layout: TokenLayout, dtype: torch.dtype) -> None:
     assume(num_blocks != 2 and block_size != heads)
-    assume(heads > 1 and block_size > 1 or token_layout == "NHD")  # with a unit dim NHD and HND are one layout
+    # with a unit dim NHD and HND are one layout
+    assume(heads > 1 and block_size > 1 or token_layout == "NHD")
     block = BlockLayout(num_layers, heads, head_dim, block_size, dtype, token_layout=token_layout)
     base, views = make_cross_layer_kv(num_blocks, block)
     found = detect_kv_layout(views, block_size=block_size, num_kv_heads=heads, head_dim=head_dim)

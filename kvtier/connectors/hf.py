@@ -45,6 +45,7 @@ from kvtier.config import read_config_mapping
 from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.hashing import hash_token_blocks
 from kvtier.layout import BlockLayout, dtype_name
+from kvtier.pages import PageMover
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,8 @@ def _kv_geometry(model: Any) -> dict[str, Any]:
     config = _text_config(model.config)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return {"num_layers": int(config.num_hidden_layers), "num_kv_heads": int(heads), "head_dim": int(head_dim),
-            "dtype": dtype_name(_model_dtype(model))}
+    return {"num_layers": int(config.num_hidden_layers), "num_kv_heads": int(heads),
+            "head_dim": int(head_dim), "dtype": dtype_name(_model_dtype(model))}
 
 
 class HFPrefixCache:
@@ -105,7 +106,8 @@ class HFPrefixCache:
         self.cache = cache
         self.owns_cache = owns_cache
         if not cache.spec.groups:
-            raise LayoutMismatch("the cache has no KV-cache groups; a causal LM needs one full-attention group")
+            raise LayoutMismatch("the cache has no KV-cache groups; a causal LM needs one full-attention "
+                                 "group")
         self.group: KVGroup = cache.spec.groups[0]
         self.layout: BlockLayout = self.group.layout
         self._check_layout()
@@ -196,8 +198,8 @@ class HFPrefixCache:
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
         if ids.dim() != 2 or ids.shape[0] != 1:
-            raise ValueError(f"HFPrefixCache.generate takes one prompt ([1, T] ids), got shape {tuple(ids.shape)}; "
-                             f"call it once per prompt")
+            raise ValueError(f"HFPrefixCache.generate takes one prompt ([1, T] ids), got shape "
+                             f"{tuple(ids.shape)}; call it once per prompt")
         if ids.shape[1] == 0:
             raise ValueError("the prompt is empty")
         return ids.to(device=device, dtype=torch.long)
@@ -234,26 +236,29 @@ class HFPrefixCache:
     def _unpack(self, blocks: torch.Tensor, kv_cache: Any) -> None:
         """``[n, *layout.shape]`` blocks → per-layer ``[1, heads, n·block_size, head_dim]`` K and V."""
         n, bs = blocks.shape[0], self.layout.block_size
-        logical = self.layout.logical_view(blocks)  # [n, layer, kv, token, head, dim]
+        shape = (1, self.layout.num_kv_heads, n * bs, self.layout.head_dim)
         device = _model_device(self.model)
-        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        tensors = [torch.empty(shape, dtype=self.layout.dtype, device=device)
+                   for _ in range(2 * self.layout.num_layers)]
+        self._mover(tensors, n).scatter(blocks, range(n))
         for layer in range(self.layout.num_layers):
-            kv = [logical[:, layer, i].permute(2, 0, 1, 3).reshape(1, heads, n * bs, dim).to(device)
-                  for i in (0, 1)]
-            kv_cache.update(kv[0], kv[1], layer)
+            kv_cache.update(tensors[2 * layer], tensors[2 * layer + 1], layer)
 
     def _pack(self, kv_cache: Any, start_block: int, end_block: int) -> torch.Tensor:
-        """Blocks ``[start_block, end_block)`` of batch row 0 as ``[n, *layout.shape]`` on the CPU (one copy)."""
-        n, bs = end_block - start_block, self.layout.block_size
-        start, end = start_block * bs, end_block * bs
-        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
-        out = torch.empty((n, *self.layout.shape), dtype=self.layout.dtype)
-        logical = self.layout.logical_view(out)
-        for layer, cached in enumerate(_cache_layers(kv_cache)):
-            for i, tensor in enumerate((cached.keys, cached.values)):
-                rows = tensor[0, :, start:end].reshape(heads, n, bs, dim).permute(1, 2, 0, 3)
-                logical[:, layer, i].copy_(rows)
+        """Blocks ``[start_block, end_block)`` of batch row 0 as ``[n, *layout.shape]`` on the CPU."""
+        out = torch.empty((end_block - start_block, *self.layout.shape), dtype=self.layout.dtype)
+        tensors = [t for layer in _cache_layers(kv_cache) for t in (layer.keys, layer.values)]
+        self._mover(tensors, end_block).gather(range(start_block, end_block), out)
         return out
+
+    def _mover(self, tensors: list[torch.Tensor], num_blocks: int) -> PageMover:
+        """The first ``num_blocks`` blocks of K and V ``[batch, heads, tokens, head_dim]`` tensors (layer
+        order, K before V; batch row 0) as page regions ``[block, heads, token, dim]`` (``HND`` blocks) or
+        ``[block, token, heads, dim]`` (``NHD``)."""
+        bs = self.layout.block_size
+        order = (1, 0, 2, 3) if self.layout.token_layout == "HND" else (1, 2, 0, 3)
+        regions = [t[0, :, :num_blocks * bs].unflatten(1, (num_blocks, bs)).permute(order) for t in tensors]
+        return PageMover(regions, 1, self.layout.nbytes)
 
     def _store_new_blocks(self, kv_cache: Any, output: Any, prompt: list[int], loaded: int) -> int:
         sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
@@ -268,26 +273,28 @@ class HFPrefixCache:
     def _check_layout(self) -> None:
         expected = _kv_geometry(self.model)
         layout = self.layout
-        found = {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
-                 "dtype": dtype_name(layout.dtype)}
+        found = {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+                 "head_dim": layout.head_dim, "dtype": dtype_name(layout.dtype)}
         wrong = {k: (v, expected[k]) for k, v in found.items() if v != expected[k]}
         if layout.kv_factor != 2:
             wrong["mla"] = (True, False)
         if wrong:
             detail = ", ".join(f"{k}={have} but the model has {want}" for k, (have, want) in wrong.items())
-            raise LayoutMismatch(f"the cache's block layout ({layout.describe()}) does not fit the model: {detail}")
+            raise LayoutMismatch(f"the cache's block layout ({layout.describe()}) does not fit the model: "
+                                 f"{detail}")
 
     def _check_full_attention(self) -> None:
         try:
             from transformers.cache_utils import DynamicLayer
         except ImportError:
-            raise LayoutMismatch("this transformers release has no cache layers; kvtier needs transformers >= 4.56") \
-                from None
+            raise LayoutMismatch("this transformers release has no cache layers; kvtier needs "
+                                 "transformers >= 4.56") from None
         layers = self._new_dynamic_cache().layers
         others = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
         if others:
-            raise LayoutMismatch(f"the model's KV cache has {', '.join(others)} layers (sliding-window, chunked or "
-                                 f"hybrid attention); kvtier's prefix reuse needs full attention in every layer")
+            raise LayoutMismatch(f"the model's KV cache has {', '.join(others)} layers (sliding-window, "
+                                 f"chunked or hybrid attention); kvtier's prefix reuse needs full attention "
+                                 f"in every layer")
         if layers and len(layers) != self.layout.num_layers:
             raise LayoutMismatch(f"the model's cache has {len(layers)} layers, the block layout "
                                  f"{self.layout.num_layers}")

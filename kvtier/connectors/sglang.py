@@ -17,8 +17,9 @@ Each block's :class:`~kvtier.BlockLayout` describes its bytes exactly as the hos
 as ``layers`` layers of ``heads·dim`` elements — so ``batch_get_v1``/``batch_set_v1`` hand views of
 the host pool itself to the tiers (zero copy: file reads land in the pool, Redis replies are received
 into it) for ``page_first`` and ``page_first_direct``; ``layer_first`` pages are not contiguous and go
-through one staging copy. Pages written in one layout are never read in another: the layout is part
-of the namespace.
+through one staging copy. The pool's pages are :mod:`kvtier.pages` regions (:meth:`PageGeometry.page_movers`),
+moved by the page mover every connector uses. Pages written in one layout are never read in another:
+the layout is part of the namespace.
 
 Keys. SGLang's page key (a chained SHA-256 of the page's tokens) is hashed with the component into a
 32-byte block hash; the namespace adds what SGLang's own backends put in key suffixes — model name,
@@ -38,9 +39,10 @@ Configuration: SGLang's ``--hicache-storage-backend-extra-config`` JSON names th
 configuration is validated when SGLang constructs the backend, so a bad key fails the launch with its
 key path; the tiers are built when SGLang registers its host pool (the page geometry is known then).
 
-Failures (docs/architecture.md#failure-contract): a tier fault is a miss or a failed store. Every public method also turns an
-unexpected exception into a miss / ``False`` and logs it: SGLang calls these methods on daemon threads
-that are never restarted, so an exception there would silently switch L3 off for good.
+Failures (docs/architecture.md#failure-contract): a tier fault is a miss or a failed store. Every
+public method also turns an unexpected exception into a miss / ``False`` and logs it: SGLang calls
+these methods on daemon threads that are never restarted, so an exception there would silently
+switch L3 off for good.
 
 sglang is imported lazily: ``KVTierHiCacheStorage`` is created on first access to the attribute (SGLang
 does that through ``getattr(module, class_name)``), so this module imports without sglang installed.
@@ -65,6 +67,7 @@ from kvtier.config import load_config, read_config_mapping
 from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.layout import dtype_name, parse_dtype
 from kvtier.metrics import CacheStats
+from kvtier.pages import PageMover
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -121,12 +124,14 @@ class PageGeometry:
         layout = str(getattr(pool, "layout", ""))
         if layout not in SUPPORTED_LAYOUTS:
             raise LayoutMismatch(f"SGLang host pool layout {layout!r} is not supported by kvtier; use "
-                                 f"--hicache-mem-layout page_first (zero copy), page_first_direct or layer_first")
+                                 f"--hicache-mem-layout page_first (zero copy), page_first_direct or "
+                                 f"layer_first")
         buffer: torch.Tensor = pool.kv_buffer
         shape = tuple(buffer.shape)
         # MHA: (2, tokens, L, H, D) | (2, pages, L, P, H, D) | (2, L, tokens, H, D)
         # MLA: (tokens, L, 1, D)    | (pages, L, P, 1, D)    | (L, tokens, 1, D)
-        expected_dims = {"page_first": 5, "page_first_direct": 6, "layer_first": 5}[layout] - (1 if mla else 0)
+        dims = {"page_first": 5, "page_first_direct": 6, "layer_first": 5}
+        expected_dims = dims[layout] - (1 if mla else 0)
         if len(shape) != expected_dims or (not mla and shape[0] != 2):
             raise LayoutMismatch(f"SGLang host pool kv_buffer has shape {shape}, which is not a "
                                  f"{'MLA' if mla else 'MHA'} {layout} pool")
@@ -140,24 +145,53 @@ class PageGeometry:
         return cls(host_layout=layout, mla=mla, page_size=int(pool.page_size), num_layers=int(num_layers),
                    token_elements=token_elements, dtype=buffer.dtype)
 
+    def page_movers(self, pool: Any) -> list[PageMover]:
+        """One :class:`~kvtier.pages.PageMover` per component over the host pool's ``kv_buffer``.
+
+        Engine block ``b`` of a mover is the page that starts at token ``b`` (``page_first``,
+        ``layer_first``: pages are runs of tokens, whatever their alignment) or page ``b``
+        (``page_first_direct``); :meth:`block_id` maps a host index to it. ``page_first`` and
+        ``page_first_direct`` pages are one contiguous region (moved as views of the pool, no copy);
+        ``layer_first`` pages are one region per layer, gathered into / scattered from staged blocks.
+        """
+        buffer: torch.Tensor = pool.kv_buffer
+        page_bytes = self.component_numel * buffer.element_size()
+        movers = []
+        for part in [buffer] if self.mla else [buffer[0], buffer[1]]:
+            if self.host_layout == "page_first_direct":
+                regions = [part.view(part.shape[0], -1)]
+            elif self.host_layout == "page_first":
+                regions = [_token_pages(part, self.page_size)]
+            else:
+                regions = [_token_pages(part[layer], self.page_size) for layer in range(self.num_layers)]
+            movers.append(PageMover(regions, 1, page_bytes))
+        return movers
+
+    def block_id(self, token_index: int) -> int:
+        """The engine block of the page starting at host index ``token_index`` (see :meth:`page_movers`)."""
+        return token_index // self.page_size if self.host_layout == "page_first_direct" else token_index
+
     def page_views(self, pool: Any, token_index: int) -> list[torch.Tensor]:
         """Zero-copy views (block shaped) of the components of the page starting at ``token_index``."""
-        buffer: torch.Tensor = pool.kv_buffer
-        parts = [buffer] if self.mla else [buffer[0], buffer[1]]
-        if self.host_layout == "page_first":
-            regions = [part[token_index:token_index + self.page_size] for part in parts]
-        elif self.host_layout == "page_first_direct":
-            regions = [part[token_index // self.page_size] for part in parts]
-        else:
+        if not self.zero_copy:
             raise LayoutMismatch(f"{self.host_layout} pages are not contiguous in the host pool")
-        return [self.as_block(region) for region in regions]
+        return self.page_blocks(self.page_movers(pool), self.block_id(token_index))
+
+    def page_blocks(self, movers: Sequence[PageMover], block_id: int) -> list[torch.Tensor]:
+        """The components of engine block ``block_id`` as block-shaped views of the pool (zero copy)."""
+        return [self.as_block(view) for view in _views(movers, block_id, self)]
+
+    def staged_blocks(self, staged: Sequence[torch.Tensor], page: int) -> list[torch.Tensor]:
+        """The components of page ``page`` of :meth:`new_blocks` staging, block shaped."""
+        return [self.as_block(blocks[page]) for blocks in staged]
 
     def split_flat_page(self, page: torch.Tensor) -> list[torch.Tensor]:
         """Block-shaped views of the components of a flat page (``get_data_page(..., flat=True)``)."""
         flat = page.reshape(-1) if page.is_contiguous() else None
         if flat is not None and flat.dtype != self.dtype and flat.element_size() == self.dtype.itemsize:
             flat = flat.view(self.dtype)  # e.g. an fp8 page held as uint8: the same bytes
-        if flat is None or flat.numel() != self.component_numel * len(self.components) or flat.dtype != self.dtype:
+        numel = self.component_numel * len(self.components)
+        if flat is None or flat.numel() != numel or flat.dtype != self.dtype:
             raise LayoutMismatch(f"a flat page must be a contiguous {self.dtype} tensor of "
                                  f"{self.component_numel * len(self.components)} elements, got "
                                  f"{page.dtype} of shape {tuple(page.shape)}")
@@ -172,6 +206,31 @@ class PageGeometry:
 
     def new_flat_page(self) -> torch.Tensor:
         return torch.empty(self.component_numel * len(self.components), dtype=self.dtype)
+
+    def new_blocks(self, pages: int) -> list[torch.Tensor]:
+        """Staging for ``pages`` pages: one ``[pages, component_numel]`` tensor per component."""
+        return [torch.empty((pages, self.component_numel), dtype=self.dtype) for _ in self.components]
+
+
+def _token_pages(part: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[tokens, ...]`` (each token contiguous, tokens dense) as overlapping pages: row ``t`` is the
+    ``page_size`` tokens from token ``t`` on."""
+    token = part[0].numel() if part.shape[0] else 0
+    if part.shape[0] > 1 and (part.stride(0) != token or not part[0].is_contiguous()):
+        raise LayoutMismatch(f"SGLang host pool tokens are not dense (shape {tuple(part.shape)}, strides "
+                             f"{part.stride()})")
+    return part.as_strided((max(part.shape[0] - page_size + 1, 0), page_size * token), (token, 1))
+
+
+def _views(movers: Sequence[PageMover], block_id: int, geometry: PageGeometry) -> list[torch.Tensor]:
+    """The components of one page as views of the pool, in the pool's dtype."""
+    views = []
+    for mover in movers:
+        view = mover.block_view(block_id)
+        if view is None:
+            raise LayoutMismatch(f"{geometry.host_layout} pages are not contiguous in the host pool")
+        views.append(view.view(geometry.dtype))
+    return views
 
 
 class _KVTierHiCache:
@@ -193,9 +252,11 @@ class _KVTierHiCache:
         self.tp_size = int(getattr(storage_config, "tp_size", 1))
         writer = getattr(storage_config, "is_storage_writer", None)
         self.is_writer = bool(writer) if writer is not None else (not self.mla or self.tp_rank == 0)
-        #: Tiers one process owns (cpu, file: an in-memory index per process) vs. tiers shared by design (Redis).
+        #: Tiers one process owns (cpu, file: an in-memory index per process) vs. tiers shared by design
+        #: (Redis).
         self.process_local = any(tier.get("type") != "redis" for tier in self._user_config.get("tiers", []))
         self.geometry: PageGeometry | None = None
+        self._movers: list[PageMover] = []
         self._cache: TieredCache | None = None
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
@@ -209,17 +270,19 @@ class _KVTierHiCache:
         """
         self.mem_pool_host = mem_pool_host
         geometry = PageGeometry.of_host_pool(mem_pool_host, self.mla)
+        movers = geometry.page_movers(mem_pool_host)
         config = {**self._user_config, "model": self._model_section(geometry, mem_pool_host),
                   "hash_block_size": geometry.page_size}
         cache = TieredCache.from_config(config)
         with self._lock:
-            old, self._cache, self.geometry = self._cache, cache, geometry
+            old, self._cache, self.geometry, self._movers = self._cache, cache, geometry, movers
         if old is not None:
             old.close()
         if self.mla and self.tp_size > 1 and self.process_local:
-            log.warning("kvtier HiCache backend: MLA with TP %d over a file or CPU tier: ranks other than the "
-                        "writer see only the pages on disk when they started (those tiers index at start, per "
-                        "process); give the backend a Redis tier to share new MLA pages across ranks", self.tp_size)
+            log.warning("kvtier HiCache backend: MLA with TP %d over a file or CPU tier: ranks other than "
+                        "the writer see only the pages on disk when they started (those tiers index at "
+                        "start, per process); give the backend a Redis tier to share new MLA pages across "
+                        "ranks", self.tp_size)
         log.info("kvtier HiCache backend: %s pages of %d tokens, %s, namespace %s, tiers %s%s",
                  geometry.host_layout, geometry.page_size, dtype_name(geometry.dtype),
                  cache.core.namespace.id if cache.core.namespace else "-", [t.name for t in cache.core.tiers],
@@ -248,11 +311,13 @@ class _KVTierHiCache:
     # --- HiCacheStorage: zero-copy path (interface_v1) -----------------------------------------------------
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Read pages straight into the host pool at ``host_indices`` (``page_size`` indices per key)."""
-        return self._guard("batch_get_v1", [False] * len(keys), lambda: self._get_into_pool(keys, host_indices))
+        return self._guard("batch_get_v1", [False] * len(keys),
+                           lambda: self._get_into_pool(keys, host_indices))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Store the host-pool pages at ``host_indices`` (``page_size`` indices per key)."""
-        return self._guard("batch_set_v1", [False] * len(keys), lambda: self._set_from_pool(keys, host_indices))
+        return self._guard("batch_set_v1", [False] * len(keys),
+                           lambda: self._set_from_pool(keys, host_indices))
 
     # --- HiCacheStorage: copying path --------------------------------------------------------------------
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -321,7 +386,8 @@ class _KVTierHiCache:
             return [True] * len(keys)
         return [cache.lookup(page) == len(page) for page in block_keys]
 
-    def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor, geometry: PageGeometry) -> list[int]:
+    def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor,
+                     geometry: PageGeometry) -> list[int]:
         indices = host_indices.reshape(-1)
         if indices.numel() != len(keys) * geometry.page_size:
             raise LayoutMismatch(f"{len(keys)} pages need {len(keys) * geometry.page_size} host indices, "
@@ -331,25 +397,29 @@ class _KVTierHiCache:
 
     def _get_into_pool(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         _, geometry = self._ready()
-        pool = self.mem_pool_host
-        starts = self._page_starts(keys, host_indices, geometry)
+        movers = self._movers
+        ids = [geometry.block_id(s) for s in self._page_starts(keys, host_indices, geometry)]
         if geometry.zero_copy:
-            return self._load_pages(keys, [geometry.page_views(pool, s) for s in starts])
-        pages = [geometry.new_flat_page() for _ in keys]
-        ok = self._load_pages(keys, [geometry.split_flat_page(p) for p in pages])
-        for hit, start, page in zip(ok, starts, pages, strict=True):
-            if hit:
-                pool.set_from_flat_data_page(start, page)
+            return self._load_pages(keys, [geometry.page_blocks(movers, b) for b in ids])
+        staged = geometry.new_blocks(len(keys))
+        ok = self._load_pages(keys, [geometry.staged_blocks(staged, i) for i in range(len(keys))])
+        hits = [i for i, hit in enumerate(ok) if hit]
+        if hits:
+            rows = torch.tensor(hits)
+            for mover, blocks in zip(movers, staged, strict=True):
+                mover.scatter(blocks if len(hits) == len(keys) else blocks[rows], torch.tensor(ids)[rows])
         return ok
 
     def _set_from_pool(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         _, geometry = self._ready()
-        pool = self.mem_pool_host
-        starts = self._page_starts(keys, host_indices, geometry)
+        movers = self._movers
+        ids = [geometry.block_id(s) for s in self._page_starts(keys, host_indices, geometry)]
         if geometry.zero_copy:
-            return self._store_pages(keys, [geometry.page_views(pool, s) for s in starts])
-        pages = [pool.get_data_page(s, flat=True).contiguous() for s in starts]
-        return self._store_pages(keys, [geometry.split_flat_page(p) for p in pages])
+            return self._store_pages(keys, [geometry.page_blocks(movers, b) for b in ids])
+        staged = geometry.new_blocks(len(keys))
+        for mover, blocks in zip(movers, staged, strict=True):
+            mover.gather(torch.tensor(ids), blocks)
+        return self._store_pages(keys, [geometry.staged_blocks(staged, i) for i in range(len(keys))])
 
     def _get_flat(self, keys: list[str], targets: Sequence[Any]) -> list[torch.Tensor | None]:
         _, geometry = self._ready()
@@ -407,8 +477,8 @@ def _user_config(extra: Mapping[str, Any]) -> dict[str, Any]:
     data = read_config_mapping(source if isinstance(source, Mapping) else Path(str(source)), where=path)
     for key in _DERIVED_KEYS:
         if key in data:
-            raise KVTierConfigError(key, "comes from SGLang's host pool (model, page size); remove it from the "
-                                         "kvtier config of the SGLang backend")
+            raise KVTierConfigError(key, "comes from SGLang's host pool (model, page size); remove it from "
+                                         "the kvtier config of the SGLang backend")
     probe = {"name": "config-check", "num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "mla": True}
     load_config({**data, "model": probe})
     return dict(data)
@@ -426,8 +496,8 @@ def storage_class() -> type:
             try:
                 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
             except ImportError as exc:
-                raise ImportError(f"kvtier's HiCache backend runs inside SGLang, which failed to import: {exc} "
-                                  f"(pip install 'sglang>=0.5')") from exc
+                raise ImportError(f"kvtier's HiCache backend runs inside SGLang, which failed to import: "
+                                  f"{exc} (pip install 'sglang>=0.5')") from exc
 
             class KVTierHiCacheStorage(_KVTierHiCache, HiCacheStorage):
                 __doc__ = _KVTierHiCache.__doc__

@@ -23,6 +23,7 @@ import torch
 
 from kvtier.errors import LayoutMismatch
 from kvtier.layout import BlockLayout, PerLayerKind, PerLayerLayout
+from kvtier.pages import PageMover
 
 __all__ = ["copy_blocks", "layer_logical_view", "pack_blocks", "unpack_blocks"]
 
@@ -49,8 +50,10 @@ def pack_blocks(layers: Sequence[torch.Tensor], block_ids: torch.Tensor, per_lay
 
     ``out`` is ``[len(block_ids), *block.shape]`` (any strides); layer ``l`` of engine block
     ``block_ids[i]`` lands in ``out[i, l]``, transposed between token- and head-major when
-    ``block.token_layout`` differs from ``per_layer.token_layout``. Writes straight into ``out``
-    with one ``index_select`` per layer; raises :class:`LayoutMismatch` before touching anything.
+    ``block.token_layout`` differs from ``per_layer.token_layout``. The layers are
+    :mod:`kvtier.pages` regions, so this is the shared page mover's gather: one ``index_select`` per
+    layer straight into ``out`` (each block contiguous; otherwise through one staging copy). Raises
+    :class:`LayoutMismatch` before touching anything.
     """
     num_blocks = _check_layers(layers, per_layer, block)
     device = layers[0].device
@@ -58,10 +61,13 @@ def pack_blocks(layers: Sequence[torch.Tensor], block_ids: torch.Tensor, per_lay
     _check_block_tensor(out, block, ids.numel(), device, "out")
     if ids.numel() == 0:
         return
-    out_logical = _bits(block.logical_view(out))
-    for index, layer in enumerate(layers):
-        source = _bits(layer_logical_view(layer, per_layer))
-        torch.index_select(source, 0, ids, out=out_logical[:, index])
+    mover = _page_mover(layers, per_layer, block)
+    if _blocks_contiguous(out):
+        mover.gather(ids, _block_bytes(out, "out"))
+        return
+    staged = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    mover.gather(ids, staged)
+    _bits(out).copy_(_bits(staged))
 
 
 def unpack_blocks(blocks: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: torch.Tensor,
@@ -69,7 +75,8 @@ def unpack_blocks(blocks: torch.Tensor, layers: Sequence[torch.Tensor], block_id
     """Scatter cross-layer blocks ``blocks[i]`` back into engine block ``block_ids[i]`` of every layer.
 
     The exact inverse of :func:`pack_blocks`. ``block_ids`` must be duplicate-free (two blocks
-    written to one place would leave the result to chance); one ``index_copy_`` per layer.
+    written to one place would leave the result to chance); the page mover's scatter, one
+    ``index_copy_`` per layer.
     """
     num_blocks = _check_layers(layers, per_layer, block)
     device = layers[0].device
@@ -77,9 +84,30 @@ def unpack_blocks(blocks: torch.Tensor, layers: Sequence[torch.Tensor], block_id
     _check_block_tensor(blocks, block, ids.numel(), device, "blocks")
     if ids.numel() == 0:
         return
-    blocks_logical = _bits(block.logical_view(blocks))
-    for index, layer in enumerate(layers):
-        _bits(layer_logical_view(layer, per_layer)).index_copy_(0, ids, blocks_logical[:, index])
+    source = blocks if _blocks_contiguous(blocks) else blocks.contiguous()
+    _page_mover(layers, per_layer, block).scatter(_block_bytes(source, "blocks"), ids)
+
+
+def _page_mover(layers: Sequence[torch.Tensor], per_layer: PerLayerLayout, block: BlockLayout) -> PageMover:
+    """The layers as page regions: each layer's ``[num_blocks, kv, token, head, dim]`` in the block's
+    token order (a head_dim that is not contiguous moves element by element)."""
+    regions = []
+    for layer in layers:
+        view = layer_logical_view(layer, per_layer)
+        if block.token_layout == "HND":
+            view = view.transpose(2, 3)
+        regions.append(view if view.stride(-1) == 1 else view.unsqueeze(-1))
+    return PageMover(regions, 1, block.nbytes)
+
+
+def _blocks_contiguous(blocks: torch.Tensor) -> bool:
+    """Whether each block of ``[n, ...]`` is one contiguous region (what :func:`_block_bytes` views)."""
+    expected = 1
+    for size, stride in zip(reversed(blocks.shape[1:]), reversed(blocks.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return blocks.shape[0] <= 1 or blocks.stride(0) >= expected
 
 
 def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
@@ -95,8 +123,8 @@ def copy_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst
     src_bytes = _block_bytes(src, "src")
     dst_bytes = _block_bytes(dst, "dst")
     if src_bytes.shape[1] != dst_bytes.shape[1]:
-        raise LayoutMismatch(f"src blocks have {src_bytes.shape[1]} bytes ({tuple(src.shape)} {src.dtype}) but "
-                             f"dst blocks have {dst_bytes.shape[1]} ({tuple(dst.shape)} {dst.dtype})")
+        raise LayoutMismatch(f"src blocks have {src_bytes.shape[1]} bytes ({tuple(src.shape)} {src.dtype}) "
+                             f"but dst blocks have {dst_bytes.shape[1]} ({tuple(dst.shape)} {dst.dtype})")
     src_index = _check_ids(src_ids, src_bytes.shape[0], "src_ids", src.device, unique=False)
     dst_index = _check_ids(dst_ids, dst_bytes.shape[0], "dst_ids", dst.device, unique=True)
     count = src_index.numel()
@@ -168,7 +196,8 @@ def _check_block_tensor(blocks: torch.Tensor, block: BlockLayout, count: int, de
         raise LayoutMismatch(f"{what} is on {blocks.device} but the layers are on {device}")
 
 
-def _check_ids(ids: torch.Tensor, num_blocks: int, what: str, device: torch.device, *, unique: bool) -> torch.Tensor:
+def _check_ids(ids: torch.Tensor, num_blocks: int, what: str, device: torch.device, *,
+               unique: bool) -> torch.Tensor:
     """Validate block ids (1-D integers in ``[0, num_blocks)``); return them as int64 on ``device``.
 
     Costs one device sync on a GPU (the range check), which a reference implementation can afford.
@@ -188,7 +217,8 @@ def _check_ids(ids: torch.Tensor, num_blocks: int, what: str, device: torch.devi
         ordered = torch.sort(index).values
         repeated = ordered[1:][ordered[1:] == ordered[:-1]]
         if repeated.numel():
-            raise LayoutMismatch(f"{what} must not repeat a block, got {repeated.unique()[:8].tolist()} twice or more")
+            raise LayoutMismatch(f"{what} must not repeat a block, got {repeated.unique()[:8].tolist()} "
+                                 f"twice or more")
     return index
 
 
@@ -197,7 +227,8 @@ def _block_bytes(blocks: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(blocks, torch.Tensor):
         raise LayoutMismatch(f"{what} must be a torch.Tensor, got {type(blocks).__name__}")
     if blocks.dim() < 2:
-        raise LayoutMismatch(f"{what} must be a block buffer [num_blocks, ...], got shape {tuple(blocks.shape)}")
+        raise LayoutMismatch(f"{what} must be a block buffer [num_blocks, ...], got shape "
+                             f"{tuple(blocks.shape)}")
     if blocks.shape[1:].numel() == 0:
         raise LayoutMismatch(f"{what} has empty blocks, shape {tuple(blocks.shape)}")
     expected_stride = 1

@@ -39,9 +39,10 @@ GENERATE = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_di
 
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=1024, bos_token_id=None, eos_token_id=None,
+                                      pad_token_id=None)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval().to(dtype)
 
@@ -82,7 +83,8 @@ def reuse(model: Any, tmp_path: Path) -> Iterator[HFPrefixCache]:
 
 
 def same_logits(a: Any, b: Any) -> bool:
-    return len(a.logits) == len(b.logits) and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
+    return len(a.logits) == len(b.logits) \
+        and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
 
 
 def test_greedy_outputs_and_logits_equal_those_without_reuse(model: Any, reuse: HFPrefixCache) -> None:
@@ -161,7 +163,8 @@ def test_two_models_sharing_a_tier_never_read_each_other(tmp_path: Path) -> None
 
 
 def test_reuse_across_two_processes_through_the_file_tier(model: Any, tmp_path: Path) -> None:
-    config = {"hash_block_size": BLOCK, "tiers": [{"type": "file", "path": str(tmp_path / "kv"), "capacity": "32MiB"}]}
+    config = {"hash_block_size": BLOCK,
+              "tiers": [{"type": "file", "path": str(tmp_path / "kv"), "capacity": "32MiB"}]}
     writer = subprocess.run([sys.executable, "-c", "import json, sys; from tests.connectors.test_hf import "
                              "_generate_in_child as run; print(json.dumps(run(json.loads(sys.argv[1]), 1)))",
                              json.dumps(config)], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -170,7 +173,8 @@ def test_reuse_across_two_processes_through_the_file_tier(model: Any, tmp_path: 
     with HFPrefixCache.from_config(model, config, model_name="tiny-llama-seed0") as reuse:
         with_reuse = reuse.generate(prompt(2), **GENERATE)
         assert reuse.last is not None
-        assert (reuse.last.reused_tokens, dict(reuse.last.hits_by_tier)) == (SHARED, {"file": SHARED // BLOCK})
+        assert (reuse.last.reused_tokens, dict(reuse.last.hits_by_tier)) \
+            == (SHARED, {"file": SHARED // BLOCK})
     assert same_logits(with_reuse, model.generate(prompt(2), **GENERATE))
 
 
@@ -208,6 +212,36 @@ def test_bf16_model_round_trips_its_blocks(tmp_path: Path) -> None:
         assert torch.equal(loaded.values, computed.values[:, :, :SHARED])
 
 
+@pytest.mark.parametrize("token_layout", ["HND", "NHD"])
+def test_stored_blocks_hold_each_layers_kv_in_the_layouts_order(model: Any, tmp_path: Path,
+                                                                token_layout: str) -> None:
+    """A block's bytes are ``layout.logical_view``'s ``[layer, K|V, token, head, dim]`` of the cache's K/V,
+    whichever token order the config asks for, and load back into the same tensors."""
+    config = {**tiers(tmp_path / "kv"),
+              "model": {**model_section(model, "tiny"), "token_layout": token_layout}}
+    tokens = prompt(3)[0].tolist()
+    with torch.no_grad():
+        computed = model(prompt(3), use_cache=True)
+    kv = getattr(computed, "cache", None) or computed.past_key_values
+    with HFPrefixCache.from_config(model, config) as reuse:
+        assert reuse.store_prefix(tokens, kv, start_block=1) == len(tokens) // BLOCK - 1
+        keys = reuse.block_keys(tokens)
+        blocks = torch.empty((len(keys), *reuse.layout.shape), dtype=reuse.layout.dtype)
+        assert reuse.cache.load(keys[1:], blocks[1:]) == len(keys) - 1
+        logical = reuse.layout.logical_view(blocks)  # [block, layer, kv, token, head, dim]
+        for layer, cached in enumerate(kv.layers):
+            for i, tensor in enumerate((cached.keys, cached.values)):
+                for b in range(1, len(keys)):
+                    want = tensor[0, :, b * BLOCK:(b + 1) * BLOCK].transpose(0, 1)  # [token, head, dim]
+                    assert torch.equal(logical[b, layer, i], want)
+        reuse.store_prefix(tokens, kv)
+        loaded, count = reuse.load_prefix(tokens + [0])
+    assert count == len(keys) * BLOCK
+    for layer, cached in zip(loaded.layers, kv.layers, strict=True):
+        assert torch.equal(layer.keys, cached.keys[:, :, :count])
+        assert torch.equal(layer.values, cached.values[:, :, :count])
+
+
 # --- misuse -------------------------------------------------------------------------------------------
 def test_a_model_built_in_code_needs_a_name(model: Any, tmp_path: Path) -> None:
     with pytest.raises(KVTierConfigError, match="model_name"):
@@ -222,8 +256,9 @@ def test_a_cache_of_another_geometry_is_refused(model: Any, tmp_path: Path) -> N
 
 
 def test_sliding_window_models_are_refused(tmp_path: Path) -> None:
-    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, sliding_window=32)
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        sliding_window=32)
     mistral = transformers.MistralForCausalLM(config)
     with pytest.raises(LayoutMismatch, match="full attention"):
         HFPrefixCache.from_config(mistral, tiers(tmp_path), model_name="tiny-mistral")

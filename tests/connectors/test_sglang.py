@@ -101,8 +101,9 @@ class HostPool:
 
 def storage_config(extra: dict[str, Any], **fields: Any) -> Any:
     """A real ``HiCacheStorageConfig`` (only the fields this SGLang release has)."""
-    values = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-                  enable_storage_metrics=False, is_page_first_layout=True, model_name="org/tiny-model",
+    values = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                  model_name="org/tiny-model",
                   extra_config=extra)
     values.update(fields)
     known = {f.name for f in dataclasses.fields(hicache.HiCacheStorageConfig)}
@@ -143,7 +144,8 @@ def keys(*names: str) -> list[str]:
 
 
 # --- the real interface -------------------------------------------------------------------------------
-def test_is_a_real_hicache_storage_loaded_by_the_dynamic_backend_option(make_backend: Callable[..., Any]) -> None:
+def test_is_a_real_hicache_storage_loaded_by_the_dynamic_backend_option(
+        make_backend: Callable[..., Any]) -> None:
     backend = make_backend()
     assert isinstance(backend, hicache.HiCacheStorage)
     assert type(backend).__name__ == "KVTierHiCacheStorage"
@@ -188,8 +190,12 @@ def test_page_first_pages_are_moved_without_a_copy(make_backend: Callable[..., A
     assert backend.geometry.zero_copy
 
 
-def test_flat_and_zero_copy_paths_read_each_others_pages(make_backend: Callable[..., Any]) -> None:
-    pool = HostPool(layout="page_first")
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
+def test_flat_and_zero_copy_paths_read_each_others_pages(make_backend: Callable[..., Any], layout: str,
+                                                         mla: bool) -> None:
+    """The page mover's blocks hold a page's bytes in the order of SGLang's own flat pages."""
+    pool = HostPool(layout=layout, mla=mla)
     backend = make_backend(pool)
     a, b = keys("a", "b")
     assert backend.set(a, pool.get_data_page(0))
@@ -225,16 +231,21 @@ def test_batch_exists_counts_the_leading_stored_pages(make_backend: Callable[...
     assert backend.exists(d) and not backend.exists(c)
 
 
-def test_missing_keys_are_misses_and_do_not_hide_later_pages(make_backend: Callable[..., Any]) -> None:
-    pool = HostPool()
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_missing_keys_are_misses_and_do_not_hide_later_pages(make_backend: Callable[..., Any],
+                                                             layout: str) -> None:
+    pool = HostPool(layout=layout)
     backend = make_backend(pool)
     a, missing, b = keys("a", "missing", "b")
     assert backend.batch_set_v1([a, b], pool.indices(0, 2)) == [True, True]
     assert backend.get(missing) is None
     pages = backend.batch_get([a, missing, b])
     assert [p is not None for p in pages] == [True, False, True]
+    untouched = pool.get_data_page(9 * pool.page_size).clone()
     assert backend.batch_get_v1([a, missing, b], pool.indices(8, 3)) == [True, False, True]
     assert torch.equal(pool.get_data_page(10 * pool.page_size), pool.get_data_page(pool.page_size))
+    assert torch.equal(pool.get_data_page(8 * pool.page_size), pool.get_data_page(0))
+    assert torch.equal(pool.get_data_page(9 * pool.page_size), untouched)  # the miss: its page left as it was
 
 
 def test_storing_a_stored_key_again_keeps_one_valid_page(make_backend: Callable[..., Any]) -> None:
@@ -284,7 +295,8 @@ def test_mla_pages_are_stored_once_by_the_writer_rank(make_backend: Callable[...
     assert torch.equal(pool.get_data_page(4 * pool.page_size), pool.get_data_page(0))
 
 
-def test_attention_dp_ranks_get_a_file_namespace_each(make_backend: Callable[..., Any], tmp_path: Path) -> None:
+def test_attention_dp_ranks_get_a_file_namespace_each(make_backend: Callable[..., Any],
+                                                       tmp_path: Path) -> None:
     if "dp_rank" not in {f.name for f in dataclasses.fields(hicache.HiCacheStorageConfig)}:
         pytest.skip("this SGLang release's HiCacheStorageConfig has no dp_rank")
     shared = file_tiers(tmp_path / "shared")
@@ -420,7 +432,8 @@ def _create(extra: dict[str, Any]) -> Any:
     return backend_factory.StorageBackendFactory.create_backend("dynamic", storage_config(extra), HostPool())
 
 
-def test_config_errors_fail_the_launch_with_the_key_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_errors_fail_the_launch_with_the_key_path(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVTIER_SGLANG_CONFIG", raising=False)
     with pytest.raises(KVTierConfigError, match="extra_config.kvtier_config"):
         _create(dynamic_extra(None))
@@ -434,7 +447,8 @@ def test_config_from_a_yaml_file_or_the_environment(tmp_path: Path, monkeypatch:
     path = tmp_path / "kvtier.yaml"
     path.write_text(f"tiers:\n  - type: file\n    path: {tmp_path / 'l3'}\n    capacity: 64MiB\n")
     pool = HostPool()
-    for extra in (dynamic_extra(str(path)), {k: v for k, v in dynamic_extra(None).items() if k != "kvtier_config"}):
+    without = {k: v for k, v in dynamic_extra(None).items() if k != "kvtier_config"}
+    for extra in (dynamic_extra(str(path)), without):
         monkeypatch.setenv("KVTIER_SGLANG_CONFIG", str(path))
         backend = backend_factory.StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
         backend.register_mem_pool_host(pool)

@@ -1,4 +1,5 @@
-"""The torch reference kernels: bit-exact pack/unpack/copy for every layout, and errors that name the culprit."""
+"""The torch reference kernels: bit-exact pack/unpack/copy for every layout, and errors that name the
+culprit."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def geometry(per_layer: PerLayerLayout, dtype: torch.dtype, token_layout: TokenL
     return BlockLayout(num_layers, heads, head_dim, block_size, dtype, token_layout=token_layout)
 
 
-def make_layers(per_layer: PerLayerLayout, block: BlockLayout, num_blocks: int, seed: int = 0) -> list[torch.Tensor]:
+def make_layers(per_layer: PerLayerLayout, block: BlockLayout, num_blocks: int,
+                seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [random_tensor(per_layer.layer_shape(num_blocks, block), block.dtype, generator)
             for _ in range(block.num_layers)]
@@ -58,7 +60,8 @@ def naive_block(layers: list[torch.Tensor], engine_block: int, per_layer: PerLay
             continue
         kv = []
         for k in range(2):
-            piece = layer[k, engine_block] if per_layer.kind is PerLayerKind.FLASH_ATTN else layer[engine_block, k]
+            flash = per_layer.kind is PerLayerKind.FLASH_ATTN
+            piece = layer[k, engine_block] if flash else layer[engine_block, k]
             kv.append(piece if per_layer.token_layout == "NHD" else piece.transpose(0, 1))
         pieces.append(torch.stack(kv))
     logical = torch.stack(pieces)  # (layers, kv, tokens, heads, dim)
@@ -111,7 +114,8 @@ def test_round_trip_any_geometry(data: st.DataObject, per_layer: PerLayerLayout,
     if chosen:
         index = torch.tensor(chosen)
         for original, back in zip(layers, restored, strict=True):
-            assert_bits_equal(engine_blocks(back, per_layer, index), engine_blocks(original, per_layer, index))
+            assert_bits_equal(engine_blocks(back, per_layer, index),
+                              engine_blocks(original, per_layer, index))
 
 
 def test_pack_writes_into_strided_out_in_place() -> None:
@@ -154,7 +158,8 @@ def fa_out(count: int) -> torch.Tensor:
 def test_error_names_the_bad_layer_and_nothing_is_written(fa_layers: list[torch.Tensor]) -> None:
     fa_layers[3] = torch.zeros((2, 5, 4, 3, 8), dtype=torch.float16)
     out = fa_out(2)
-    with pytest.raises(LayoutMismatch, match=r"layer 3 has shape \(2, 5, 4, 3, 8\), expected \(2, 5, 4, 2, 8\)"):
+    with pytest.raises(LayoutMismatch,
+                       match=r"layer 3 has shape \(2, 5, 4, 3, 8\), expected \(2, 5, 4, 2, 8\)"):
         pack_blocks(fa_layers, torch.tensor([0, 1]), FA, FA_BLOCK, out)
     assert bool((out == 7).all())
 
@@ -171,7 +176,8 @@ def test_error_on_layer_count(fa_layers: list[torch.Tensor]) -> None:
 
 
 def test_error_on_out_shape_and_dtype(fa_layers: list[torch.Tensor]) -> None:
-    with pytest.raises(LayoutMismatch, match=r"out has shape \(3, 4, 2, 4, 2, 8\), expected \(2, 4, 2, 4, 2, 8\)"):
+    with pytest.raises(LayoutMismatch,
+                       match=r"out has shape \(3, 4, 2, 4, 2, 8\), expected \(2, 4, 2, 4, 2, 8\)"):
         pack_blocks(fa_layers, torch.tensor([0, 1]), FA, FA_BLOCK, fa_out(3))
     with pytest.raises(LayoutMismatch, match=r"out has dtype torch.bfloat16"):
         pack_blocks(fa_layers, torch.tensor([0]), FA, FA_BLOCK, fa_out(1).bfloat16())
@@ -230,7 +236,8 @@ def test_copy_blocks_into_a_strided_slab_and_within_one_buffer() -> None:
     block = BlockLayout(1, 1, 8, 2, torch.float32)
     slab = byte_slab(8, block, seed=3)
     original = slab.clone()
-    copy_blocks(slab, torch.tensor([0, 1, 2]), slab, torch.tensor([1, 2, 3]))  # overlapping: as if simultaneous
+    # overlapping: as if simultaneous
+    copy_blocks(slab, torch.tensor([0, 1, 2]), slab, torch.tensor([1, 2, 3]))
     assert torch.equal(slab[1:4], original[0:3])
     every_other = slab[::2]
     copy_blocks(original, torch.tensor([7, 6]), every_other, torch.tensor([0, 3]))
@@ -240,7 +247,8 @@ def test_copy_blocks_into_a_strided_slab_and_within_one_buffer() -> None:
 @pytest.mark.parametrize("block_bytes", [64, 12, 3])
 def test_copy_blocks_into_a_permuted_run_of_slots(block_bytes: int) -> None:
     """Destination ids that fill a run of slots (any order) take the direct path; any block width works."""
-    src = torch.randint(0, 256, (6, block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    src = torch.randint(0, 256, (6, block_bytes), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(4))
     dst = torch.zeros((5, block_bytes), dtype=torch.uint8)
     copy_blocks(src, torch.tensor([5, 0, 2]), dst, torch.tensor([3, 1, 2]))
     assert torch.equal(dst[1], src[0]) and torch.equal(dst[2], src[2]) and torch.equal(dst[3], src[5])
@@ -259,7 +267,8 @@ def test_copy_blocks_errors() -> None:
     with pytest.raises(LayoutMismatch, match=r"src_ids has 2 ids but dst_ids has 1"):
         copy_blocks(src, torch.tensor([0, 1]), dst, torch.tensor([3]))
     with pytest.raises(LayoutMismatch, match=r"each block of dst must be one contiguous region"):
-        copy_blocks(src.view(4, 2, 64), torch.tensor([0]), dst.view(4, 64, 2).transpose(1, 2), torch.tensor([0]))
+        copy_blocks(src.view(4, 2, 64), torch.tensor([0]), dst.view(4, 64, 2).transpose(1, 2),
+                    torch.tensor([0]))
     with pytest.raises(LayoutMismatch, match=r"blocks of dst overlap"):
         copy_blocks(src, torch.tensor([0]), dst[:1].expand(4, 128), torch.tensor([0]))
 

@@ -17,9 +17,9 @@ import torch
 
 from kvtier.blocks import BlockKey
 from kvtier.connectors.vllm.manager import BlockTransferSpec
-from kvtier.connectors.vllm.page_mover import CudaPageMover, PageMover
 from kvtier.connectors.vllm.runtime import OffloadRuntime
 from kvtier.errors import LayoutMismatch
+from kvtier.pages import CudaPageMover, PageMover
 
 log = logging.getLogger(__name__)
 
