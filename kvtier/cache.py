@@ -860,32 +860,27 @@ class AsyncTieredCache:
             found.append(located)
         return found
 
-    async def _promote(self, keys: Sequence[BlockKey], where: Sequence[int], buffers: list[torch.Tensor]) -> None:
-        placement = self.residency.placement
-        todo = [i for i, t in enumerate(where) if placement.should_promote(t)]
-        if not todo:
-            return
-        target = placement.promote_to
+    async def _promote(self, keys: Sequence[BlockKey], where: Sequence[int],
+                       buffers: list[torch.Tensor]) -> None:
+        """Copy the hits ``keys`` (read from tiers ``where`` into ``buffers``) up: the residency plans it
+        (:meth:`Residency.plan_promotion`, shared with ``kvtier replay``), this moves the bytes."""
+        if not any(map(self.residency.placement.should_promote, where)):
+            return  # no lock taken on a load served from the top
         assert self._mutation is not None
         async with self._mutation:
-            sub_keys = [keys[i] for i in todo]
-            hints = [InsertHint(position=i) for i in todo]  # positions in the request's chain
-            plan = self._plan_store(sub_keys, hints, only_tier=target)
-            done = await self._execute(plan, sub_keys, [buffers[i] for i in todo])
-            self._activity[target].promotions_in += len(done)
-            if not placement.keep_lower_copy:
-                moved: dict[int, list[BlockKey]] = {}
-                with self._index_lock:
-                    for j in done:
-                        src, key = where[todo[j]], sub_keys[j]
-                        index = self.residency.tiers[src]
-                        if self.tiers[src].self_evicting or key in index.pins:
-                            continue  # another load is reading that copy: it stays (inclusive for now)
-                        if index.discard(key):
-                            moved.setdefault(src, []).append(key)
-                    self._changed(k for gone in moved.values() for k in gone)
-                for src, gone in moved.items():
-                    await self._safe_delete(src, gone)
+            with self._index_lock:
+                promotion = self.residency.plan_promotion(keys, where)
+                if promotion is None:
+                    return
+                plan = promotion.plan
+                self._changed(k for drops in plan.drops for k in drops)
+            done = await self._execute(plan, promotion.keys, [buffers[i] for i in promotion.indexes])
+            self._activity[promotion.target].promotions_in += len(done)
+            with self._index_lock:
+                dropped = self.residency.finish_promotion(promotion, done)
+                self._changed(k for gone in dropped.values() for k in gone)
+            for src, gone in dropped.items():
+                await self._safe_delete(src, gone)
 
     async def _execute(self, plan: Plan, keys: Sequence[BlockKey], buffers: Sequence[torch.Tensor | None],
                        planned: bool = False) -> list[int]:

@@ -363,7 +363,6 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
     plan_store = residency.plan_store
     finish_write = residency.finish_write
     finish_demotion = residency.finish_demotion
-    should_promote = placement.should_promote
     observe = oracle.observe if oracle is not None else None
     entries0 = indexes[0].entries
 
@@ -387,7 +386,7 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
             else:
                 for t in found:
                     hits_in[t] += 1
-                _promote(residency, keys, found, tiers, should_promote)
+                _promote(residency, keys, found, tiers)
             prefix_tokens += k0 * block_tokens if k0 < n else trace.tokens[r]
         if k0 < n:
             rest = keys[k0:] if k0 else keys
@@ -448,21 +447,16 @@ def chain_hints(keys: Sequence[BlockKey], start: int, stop: int) -> list[InsertH
 
 
 def _promote(residency: Residency, keys: Sequence[BlockKey], found: Sequence[int],
-             tiers: list[TierResult], should_promote: Callable[[int], bool]) -> None:
-    """Copy lower-tier hits up as the cache does (from the loaded bytes: no extra read)."""
-    todo = [j for j, t in enumerate(found) if should_promote(t)]
-    if not todo:
+             tiers: list[TierResult]) -> None:
+    """Copy lower-tier hits up as the cache does (the same :meth:`Residency.plan_promotion`; from the
+    loaded bytes: no extra read)."""
+    promotion = residency.plan_promotion(keys, found)
+    if promotion is None:
         return
-    placement = residency.placement
-    target = placement.promote_to
-    sub = [keys[j] for j in todo]
-    plan = residency.plan_store(sub, [InsertHint(j, -1, keys[j - 1] if j else None) for j in todo],
-                                only_tier=target)
-    _execute(plan, sub, tiers, residency.finish_write, residency.finish_demotion)
-    tiers[target].promoted_in += len(plan.writes[target])
-    if not placement.keep_lower_copy:
-        for i in plan.writes[target]:
-            residency.tiers[found[todo[i]]].discard(sub[i])
+    _execute(promotion.plan, promotion.keys, tiers, residency.finish_write, residency.finish_demotion)
+    written = promotion.plan.writes[promotion.target]  # every write succeeds here
+    tiers[promotion.target].promoted_in += len(written)
+    residency.finish_promotion(promotion, written)
 
 
 def belady_bypass(trace: Trace, capacity: int, *, future: list[int] | None = None,
