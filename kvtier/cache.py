@@ -1,20 +1,18 @@
 """TieredCache: lookup, load and store of KV blocks over an ordered list of tiers.
 
-The orchestrator. It asks :class:`kvtier.residency.Residency` (index, pins, eviction, placement)
-what to move, moves bytes between :mod:`kvtier.tiers` in batches, and turns every tier failure
-into a miss or a failed store — it never raises an I/O fault into the engine (docs/architecture.md#failure-contract).
+The orchestrator: :class:`kvtier.residency.Residency` decides what to move, this moves bytes between
+:mod:`kvtier.tiers` in batches and turns every tier failure into a miss or a failed store
+(docs/architecture.md#failure-contract). Two faces: :class:`AsyncTieredCache` (coroutines) and
+:class:`TieredCache` (blocking calls over a private event-loop thread). Index mutations hold one
+``threading.Lock`` (never across an ``await``), so an engine thread may pin blocks synchronously
+(:meth:`AsyncTieredCache.lease`); stores and promotions also hold one asyncio lock while they plan
+and execute; loads read pinned blocks without it.
 
-Two faces, like redis-py: :class:`AsyncTieredCache` (coroutines, for async engines) and
-:class:`TieredCache` (blocking calls, for everyone else; it runs the async core on a private event
-loop thread, so transfers also run while the caller computes: ``submit_load``/``submit_store``).
-
-Concurrency: every index mutation holds one ``threading.Lock`` (never across an ``await``), so
-other threads may pin blocks synchronously with :meth:`AsyncTieredCache.lease` — an engine's
-scheduler promises a block without a hop to the loop thread, and no eviction can take it in
-between. Stores and promotions also hold one asyncio lock while planning and executing (their
-room-making must not interleave); loads read pinned blocks without it, so reads overlap with writes.
-:class:`ResidencyWatcher` objects hear of index changes as they happen (a connector mirrors what
-is loadable, and reports blocks that left every tier).
+One module because :class:`AsyncTieredCache` is one object with one set of invariants: the index
+lock, the mutation lock, the pins a load or lease holds, the per-tier counters and the plan executor
+are shared by every public method and by the lifecycle (start-up indexing, close, persist-on-close).
+The decisions already live in :mod:`kvtier.residency` and :mod:`kvtier.policy`, the bytes in the
+tiers. :class:`TieredCache` is thin delegation kept here so both faces import from one place.
 """
 
 from __future__ import annotations

@@ -1,39 +1,15 @@
 """Replay request traces through the cache's own residency and policy objects, metadata only.
 
-``kvtier replay`` answers "what would this policy and placement have done on this workload": it
-builds one :class:`~kvtier.residency.TierIndex` per tier and a :class:`~kvtier.residency.Residency`
-— the very objects :class:`~kvtier.cache.TieredCache` plans with — then, per request, does what the
-cache does: look up the leading cached blocks, touch (and maybe promote) them, and store the rest.
-Plans are "executed" against nothing: every write and demotion succeeds and is counted. No bytes
-move, so a trace of hundreds of thousands of block references replays in about a second.
+``kvtier replay`` answers "what would this policy and placement have done on this workload": one
+:class:`~kvtier.residency.TierIndex` per tier and a :class:`~kvtier.residency.Residency`, the objects
+:class:`~kvtier.cache.TieredCache` plans with, and per request what the cache does (locate, touch,
+promote, store), with plans executed against nothing and counted. Beside every policy it replays
+LRU and two ceilings (Belady's MIN under the replay's rules, Belady with bypass). docs/policies.md
+describes the rules, the trace formats (Mooncake, generic) and the output columns.
 
-Beside every policy it replays LRU and two ceilings, scored the same way, so each number has its
-baseline and its ceilings next to it:
-
-* ``min`` — Belady's MIN under the replay's own rules (:mod:`kvtier.policy.belady`): every miss is
-  stored and the request's own pending blocks are never evicted. This is the ceiling of any policy
-  the cache can run, and the one "gap closed" figures are measured against.
-* ``belady`` — Belady with bypass (:func:`belady_bypass`): per block reference, a miss is cached only
-  if it is needed again before the farthest resident block. It maximises block hits; with long
-  requests it is well above ``min``, and no eviction policy can reach it (the cache stores what
-  the engine computed).
-
-Chains: block *j* of a request is stored with block *j−1* as its predecessor
-(:attr:`~kvtier.policy.base.InsertHint.predecessor`), in both formats — Mooncake's hash ids and the
-engines' block hashes are chained the same way — so chain-aware policies see what the cache sees.
-
-Trace formats (JSON Lines, one request per line, blank lines ignored):
-
-* **Mooncake** (``kvcache-ai/Mooncake`` FAST'25 traces): ``{"timestamp": ms, "input_length": tokens,
-  "output_length": tokens, "hash_ids": [int, ...]}``, one hash id per 512-token block, equal ids
-  meaning equal prefixes. ``len(hash_ids)`` must be ``ceil(input_length / block_tokens)``.
-* **Generic**: an optional first line ``{"kvtier_trace": 1, "block_tokens": 16}``, then
-  ``{"blocks": [id, ...], "tokens": int}`` per request. Ids are non-negative integers below 2^64 or
-  non-empty strings (hashed); block *i* of a request is its chain's *i*-th block, so equal ids must
-  mean equal prefixes. ``tokens`` (optional, default ``len(blocks) * block_tokens``) is the input
-  length; other keys (``timestamp``, ...) are ignored.
-
-Not here: the command line (:mod:`kvtier.cli_replay`), the policies themselves.
+One module: a trace, its replay and the table of results are read together (the table's columns are
+the replay's counters, its baselines the runs the replay adds); the command line is
+:mod:`kvtier.cli_replay`, the policies are in :mod:`kvtier.policy`.
 """
 
 from __future__ import annotations
