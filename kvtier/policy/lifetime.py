@@ -5,7 +5,8 @@ classes; reuse distances per class, sampled and decayed, define how many hits ea
 per slot for each lifetime, and every half capacity of references a greedy walk over those curves
 picks the lifetimes. The victim is the oldest block of the class that most overstays its lifetime;
 when the model shows no gain over one common lifetime the policy is exactly LRU. O(1) per reference,
-O(classes) per victim. docs/policies.md describes the algorithm and its results.
+O(classes) per victim; memory is the table (up to 16 bytes per reference of reach). docs/policies.md
+describes the algorithm and its results.
 """
 
 from __future__ import annotations
