@@ -121,6 +121,28 @@ def test_a_worked_sequence_promotes_and_drops_the_lower_copy_in_both() -> None:
     assert cache == [[{a, b}, set()], [{e, f}, {a, b}], [{a, b}, {e, f}]]
 
 
+def test_the_cache_keeps_a_leased_lower_copy_when_it_promotes_exclusively() -> None:
+    spec = KVCacheSpec(LAYOUT.block_size, (KVGroup(0, LAYOUT.block_size, LAYOUT),), 1)
+    tiers = [CpuTier(f"cpu{t}", {0: LAYOUT}, {0: cap * LAYOUT.nbytes}, pinned=False)
+             for t, cap in enumerate([2, 4])]
+    indexes = [TierIndex(tier.name, tier.capacity_bytes, {0: LAYOUT.nbytes}, "lru") for tier in tiers]
+    residency = Residency(indexes, placement(2, {"keep_lower_copy": False}))
+    (a, b), (e, f) = chains([[0, 1], [5, 6]])
+    blocks = torch.randn((4, *LAYOUT.shape)).to(LAYOUT.dtype)
+    with TieredCache(AsyncTieredCache(spec, tiers, residency)) as cache:
+        cache.store([a, b], blocks[:2])
+        cache.store([e, f], blocks[2:])  # pushes a and b down
+        where = cache.lease([b])  # another reader holds the lower copy of b
+        assert where == [1]
+        out = torch.empty_like(blocks[:2])
+        assert cache.load([a, b], out) == 2 and torch.equal(out, blocks[:2])
+        top, low = residency.tiers
+        assert top.is_ready(a) and top.is_ready(b)
+        assert a not in low and low.is_ready(b)  # a moved up; b's leased copy stays below
+        cache.release([b], where)
+        assert cache.stats().tiers[0].promotions_in == 2
+
+
 def _two_tiers(keep_lower_copy: bool) -> Residency:
     size = {0: 1}
     return Residency([TierIndex("top", {0: 2}, size, "lru"), TierIndex("low", {0: 4}, size, "lru")],
