@@ -1,20 +1,18 @@
 """TieredCache: lookup, load and store of KV blocks over an ordered list of tiers.
 
-The orchestrator. It asks :class:`kvtier.residency.Residency` (index, pins, eviction, placement)
-what to move, moves bytes between :mod:`kvtier.tiers` in batches, and turns every tier failure
-into a miss or a failed store — it never raises an I/O fault into the engine (docs/architecture.md#failure-contract).
+The orchestrator: :class:`kvtier.residency.Residency` decides what to move, this moves bytes between
+:mod:`kvtier.tiers` in batches and turns every tier failure into a miss or a failed store
+(docs/architecture.md#failure-contract). Two faces: :class:`AsyncTieredCache` (coroutines) and
+:class:`TieredCache` (blocking calls over a private event-loop thread). Index mutations hold one
+``threading.Lock`` (never across an ``await``), so an engine thread may pin blocks synchronously
+(:meth:`AsyncTieredCache.lease`); stores and promotions also hold one asyncio lock while they plan
+and execute; loads read pinned blocks without it.
 
-Two faces, like redis-py: :class:`AsyncTieredCache` (coroutines, for async engines) and
-:class:`TieredCache` (blocking calls, for everyone else; it runs the async core on a private event
-loop thread, so transfers also run while the caller computes: ``submit_load``/``submit_store``).
-
-Concurrency: every index mutation holds one ``threading.Lock`` (never across an ``await``), so
-other threads may pin blocks synchronously with :meth:`AsyncTieredCache.lease` — an engine's
-scheduler promises a block without a hop to the loop thread, and no eviction can take it in
-between. Stores and promotions also hold one asyncio lock while planning and executing (their
-room-making must not interleave); loads read pinned blocks without it, so reads overlap with writes.
-:class:`ResidencyWatcher` objects hear of index changes as they happen (a connector mirrors what
-is loadable, and reports blocks that left every tier).
+One module because :class:`AsyncTieredCache` is one object with one set of invariants: the index
+lock, the mutation lock, the pins a load or lease holds, the per-tier counters and the plan executor
+are shared by every public method and by the lifecycle (start-up indexing, close, persist-on-close).
+The decisions already live in :mod:`kvtier.residency` and :mod:`kvtier.policy`, the bytes in the
+tiers. :class:`TieredCache` is thin delegation kept here so both faces import from one place.
 """
 
 from __future__ import annotations
@@ -860,32 +858,27 @@ class AsyncTieredCache:
             found.append(located)
         return found
 
-    async def _promote(self, keys: Sequence[BlockKey], where: Sequence[int], buffers: list[torch.Tensor]) -> None:
-        placement = self.residency.placement
-        todo = [i for i, t in enumerate(where) if placement.should_promote(t)]
-        if not todo:
-            return
-        target = placement.promote_to
+    async def _promote(self, keys: Sequence[BlockKey], where: Sequence[int],
+                       buffers: list[torch.Tensor]) -> None:
+        """Copy the hits ``keys`` (read from tiers ``where`` into ``buffers``) up: the residency plans it
+        (:meth:`Residency.plan_promotion`, shared with ``kvtier replay``), this moves the bytes."""
+        if not any(map(self.residency.placement.should_promote, where)):
+            return  # no lock taken on a load served from the top
         assert self._mutation is not None
         async with self._mutation:
-            sub_keys = [keys[i] for i in todo]
-            hints = [InsertHint(position=i) for i in todo]  # positions in the request's chain
-            plan = self._plan_store(sub_keys, hints, only_tier=target)
-            done = await self._execute(plan, sub_keys, [buffers[i] for i in todo])
-            self._activity[target].promotions_in += len(done)
-            if not placement.keep_lower_copy:
-                moved: dict[int, list[BlockKey]] = {}
-                with self._index_lock:
-                    for j in done:
-                        src, key = where[todo[j]], sub_keys[j]
-                        index = self.residency.tiers[src]
-                        if self.tiers[src].self_evicting or key in index.pins:
-                            continue  # another load is reading that copy: it stays (inclusive for now)
-                        if index.discard(key):
-                            moved.setdefault(src, []).append(key)
-                    self._changed(k for gone in moved.values() for k in gone)
-                for src, gone in moved.items():
-                    await self._safe_delete(src, gone)
+            with self._index_lock:
+                promotion = self.residency.plan_promotion(keys, where)
+                if promotion is None:
+                    return
+                plan = promotion.plan
+                self._changed(k for drops in plan.drops for k in drops)
+            done = await self._execute(plan, promotion.keys, [buffers[i] for i in promotion.indexes])
+            self._activity[promotion.target].promotions_in += len(done)
+            with self._index_lock:
+                dropped = self.residency.finish_promotion(promotion, done)
+                self._changed(k for gone in dropped.values() for k in gone)
+            for src, gone in dropped.items():
+                await self._safe_delete(src, gone)
 
     async def _execute(self, plan: Plan, keys: Sequence[BlockKey], buffers: Sequence[torch.Tensor | None],
                        planned: bool = False) -> list[int]:

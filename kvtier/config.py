@@ -2,6 +2,11 @@
 
 Validation happens entirely at load time (docs/architecture.md#config-errors): a config that loads
 builds; nothing half-starts. The README's "Configuration reference" documents every key defined here.
+
+One module because it is the one place settings are validated: the per-tier sections, the
+cross-key checks (placement against tiers, groups against the model) and the builders that turn a
+validated config into tiers and a residency read one schema; tiers receive validated values and never
+import this module.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Rate-limited warnings: a fault that hits thousands of blocks must not write thousands of log lines.
 
-A vandal damaging files or a flaky disk can make every read find a corrupt block; one warning per
-block flooded logs with 5,355 lines in 60 s (issue 13). :class:`LogLimiter` lets the first ``burst``
-lines of an ``interval`` through and then keeps count; the next line after the interval (or
-:meth:`LogLimiter.flush`, which tiers call on close) says how many were suppressed.
+:class:`LogLimiter` lets the first ``burst`` lines of an ``interval`` through and then keeps count;
+the next line after the interval (or :meth:`LogLimiter.flush`, which tiers call on close) says how
+many were suppressed.
 """
 
 from __future__ import annotations

@@ -1,39 +1,15 @@
 """Replay request traces through the cache's own residency and policy objects, metadata only.
 
-``kvtier replay`` answers "what would this policy and placement have done on this workload": it
-builds one :class:`~kvtier.residency.TierIndex` per tier and a :class:`~kvtier.residency.Residency`
-— the very objects :class:`~kvtier.cache.TieredCache` plans with — then, per request, does what the
-cache does: look up the leading cached blocks, touch (and maybe promote) them, and store the rest.
-Plans are "executed" against nothing: every write and demotion succeeds and is counted. No bytes
-move, so a trace of hundreds of thousands of block references replays in about a second.
+``kvtier replay`` answers "what would this policy and placement have done on this workload": one
+:class:`~kvtier.residency.TierIndex` per tier and a :class:`~kvtier.residency.Residency`, the objects
+:class:`~kvtier.cache.TieredCache` plans with, and per request what the cache does (locate, touch,
+promote, store), with plans executed against nothing and counted. Beside every policy it replays
+LRU and two ceilings (Belady's MIN under the replay's rules, Belady with bypass). docs/policies.md
+describes the rules, the trace formats (Mooncake, generic) and the output columns.
 
-Beside every policy it replays LRU and two ceilings, scored the same way, so each number has its
-baseline and its ceilings next to it:
-
-* ``min`` — Belady's MIN under the replay's own rules (:mod:`kvtier.policy.belady`): every miss is
-  stored and the request's own pending blocks are never evicted. This is the ceiling of any policy
-  the cache can run, and the one "gap closed" figures are measured against.
-* ``belady`` — Belady with bypass (:func:`belady_bypass`): per block reference, a miss is cached only
-  if it is needed again before the farthest resident block. It maximises block hits; with long
-  requests it is well above ``min``, and no eviction policy can reach it (the cache stores what
-  the engine computed).
-
-Chains: block *j* of a request is stored with block *j−1* as its predecessor
-(:attr:`~kvtier.policy.base.InsertHint.predecessor`), in both formats — Mooncake's hash ids and the
-engines' block hashes are chained the same way — so chain-aware policies see what the cache sees.
-
-Trace formats (JSON Lines, one request per line, blank lines ignored):
-
-* **Mooncake** (``kvcache-ai/Mooncake`` FAST'25 traces): ``{"timestamp": ms, "input_length": tokens,
-  "output_length": tokens, "hash_ids": [int, ...]}``, one hash id per 512-token block, equal ids
-  meaning equal prefixes. ``len(hash_ids)`` must be ``ceil(input_length / block_tokens)``.
-* **Generic**: an optional first line ``{"kvtier_trace": 1, "block_tokens": 16}``, then
-  ``{"blocks": [id, ...], "tokens": int}`` per request. Ids are non-negative integers below 2^64 or
-  non-empty strings (hashed); block *i* of a request is its chain's *i*-th block, so equal ids must
-  mean equal prefixes. ``tokens`` (optional, default ``len(blocks) * block_tokens``) is the input
-  length; other keys (``timestamp``, ...) are ignored.
-
-Not here: the command line (:mod:`kvtier.cli_replay`), the policies themselves.
+One module: a trace, its replay and the table of results are read together (the table's columns are
+the replay's counters, its baselines the runs the replay adds); the command line is
+:mod:`kvtier.cli_replay`, the policies are in :mod:`kvtier.policy`.
 """
 
 from __future__ import annotations
@@ -363,7 +339,6 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
     plan_store = residency.plan_store
     finish_write = residency.finish_write
     finish_demotion = residency.finish_demotion
-    should_promote = placement.should_promote
     observe = oracle.observe if oracle is not None else None
     entries0 = indexes[0].entries
 
@@ -387,7 +362,7 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
             else:
                 for t in found:
                     hits_in[t] += 1
-                _promote(residency, keys, found, tiers, should_promote)
+                _promote(residency, keys, found, tiers)
             prefix_tokens += k0 * block_tokens if k0 < n else trace.tokens[r]
         if k0 < n:
             rest = keys[k0:] if k0 else keys
@@ -448,21 +423,16 @@ def chain_hints(keys: Sequence[BlockKey], start: int, stop: int) -> list[InsertH
 
 
 def _promote(residency: Residency, keys: Sequence[BlockKey], found: Sequence[int],
-             tiers: list[TierResult], should_promote: Callable[[int], bool]) -> None:
-    """Copy lower-tier hits up as the cache does (from the loaded bytes: no extra read)."""
-    todo = [j for j, t in enumerate(found) if should_promote(t)]
-    if not todo:
+             tiers: list[TierResult]) -> None:
+    """Copy lower-tier hits up as the cache does (the same :meth:`Residency.plan_promotion`; from the
+    loaded bytes: no extra read)."""
+    promotion = residency.plan_promotion(keys, found)
+    if promotion is None:
         return
-    placement = residency.placement
-    target = placement.promote_to
-    sub = [keys[j] for j in todo]
-    plan = residency.plan_store(sub, [InsertHint(j, -1, keys[j - 1] if j else None) for j in todo],
-                                only_tier=target)
-    _execute(plan, sub, tiers, residency.finish_write, residency.finish_demotion)
-    tiers[target].promoted_in += len(plan.writes[target])
-    if not placement.keep_lower_copy:
-        for i in plan.writes[target]:
-            residency.tiers[found[todo[i]]].discard(sub[i])
+    _execute(promotion.plan, promotion.keys, tiers, residency.finish_write, residency.finish_demotion)
+    written = promotion.plan.writes[promotion.target]  # every write succeeds here
+    tiers[promotion.target].promoted_in += len(written)
+    residency.finish_promotion(promotion, written)
 
 
 def belady_bypass(trace: Trace, capacity: int, *, future: list[int] | None = None,

@@ -147,6 +147,21 @@ class Plan:
         return not any(self.demotions) and not any(self.drops) and not any(self.writes)
 
 
+@dataclass
+class Promotion:
+    """A :class:`Plan` that copies lower-tier hits up to ``target``, and where each copy came from.
+
+    The plan's write indexes refer to ``keys``; ``indexes[j]`` is the position of ``keys[j]`` in the
+    caller's request (to pick its buffer), ``sources[j]`` the tier it was read from.
+    """
+
+    plan: Plan
+    target: int
+    keys: list[BlockKey]
+    indexes: list[int]
+    sources: list[int]
+
+
 class Residency:
     """Tier indexes top → bottom plus the placement policy; builds plans and applies outcomes."""
 
@@ -301,6 +316,42 @@ class Residency:
                 lower.add(key, hint, ready=False)  # the chain link travels with the block
                 return u
         return None
+
+    def plan_promotion(self, keys: Sequence[BlockKey], found: Sequence[int]) -> Promotion | None:
+        """Plan copying the hits ``keys[i]`` (read from tier ``found[i]``) up, as the placement says.
+
+        None when nothing is to be promoted. Each copy keeps the chain link its lower copy was stored
+        with (or, without one, its position in ``keys``), so chain-aware eviction sees the same chain
+        in every tier. The caller executes ``plan`` with the bytes it just read (no extra read), then
+        calls :meth:`finish_promotion`. The one promotion step of the cache and of ``kvtier replay``.
+        """
+        should_promote = self.placement.should_promote
+        todo = [i for i, t in enumerate(found) if should_promote(t)]
+        if not todo:
+            return None
+        sources = [found[i] for i in todo]
+        sub = [keys[i] for i in todo]
+        hints = [self.tiers[t].hints.get(key) or InsertHint(position=i)
+                 for i, t, key in zip(todo, sources, sub, strict=True)]
+        target = self.placement.promote_to
+        return Promotion(self.plan_store(sub, hints, only_tier=target), target, sub, todo, sources)
+
+    def finish_promotion(self, promotion: Promotion, done: Iterable[int]) -> dict[int, list[BlockKey]]:
+        """The copies ``done`` (indexes into ``promotion.keys``) landed: with exclusive caching
+        (``keep_lower_copy`` off) drop their lower copies from the index, and return them per tier for
+        the caller to delete. A lower copy that is pinned (another load reads it) or in a self-evicting
+        tier stays: the block is then held in both tiers, as with inclusive caching."""
+        if self.placement.keep_lower_copy:
+            return {}
+        dropped: dict[int, list[BlockKey]] = {}
+        for j in done:
+            src, key = promotion.sources[j], promotion.keys[j]
+            index = self.tiers[src]
+            if index.self_evicting or key in index.pins:
+                continue
+            if index.discard(key):
+                dropped.setdefault(src, []).append(key)
+        return dropped
 
     # --- outcomes ----------------------------------------------------------------------------------
     def finish_demotion(self, src: int, dst: int, key: BlockKey, ok: bool) -> None:

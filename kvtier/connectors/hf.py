@@ -1,31 +1,10 @@
 """Prefix reuse for Hugging Face transformers' ``generate()``, over a :class:`~kvtier.TieredCache`.
 
-What it is for: an application that calls ``model.generate()`` on prompts sharing long prefixes (a
-system prompt, a document, a chat history) without a serving engine. Before generating,
-:meth:`HFPrefixCache.generate` looks up the longest cached run of the prompt's full token blocks,
-loads those blocks into a fresh ``DynamicCache`` and lets ``generate()`` compute only the rest; after
-generating, it stores the full blocks that were not cached yet (prompt and generated tokens), so the
-next prompt — in this process or another one sharing a file or Redis tier — starts further on.
-
-What it is not: a batching engine (one prompt per call), nor a cache for sliding-window, chunked or
-hybrid attention (their cache drops or transforms old tokens; :class:`HFPrefixCache` refuses such a
-model at construction).
-
-Exactness: loading reproduces the stored K/V bit for bit. Whether the logits then equal a full
-prefill's bit for bit is up to the BLAS, not kvtier: the uncached suffix runs as a smaller matmul
-than the full prompt does. With fp32 on CPU (MKL) they were identical for the suffixes the tests use
-and within 2e-7 where MKL picks another kernel for the smaller shape (1–5 token suffixes, a few other
-lengths); K/V of generated tokens, computed one token at a time, differ from a prefill's the same
-way. Greedy tokens matched in every case measured.
-
-Layout: an offloaded block holds ``block_size`` tokens of every layer, ``[num_layers, 2,
-num_kv_heads, block_size, head_dim]`` (kvtier's ``HND`` token layout, the order of a transformers
-``DynamicLayer``'s ``[batch, heads, seq, head_dim]`` tensors), in the model's dtype. The namespace
-(model name, dtype, layout) keeps two models sharing a tier apart — which is why a model without a
-``name_or_path`` (one built in code) needs an explicit ``model_name``.
-
-transformers is imported lazily: this module imports without it. Supported: transformers ≥ 4.56
-(cache ``layers``), including 5.x where the cache argument is named ``cache``.
+:meth:`HFPrefixCache.generate` loads the longest cached run of a prompt's full token blocks into a
+fresh ``DynamicCache``, lets ``generate()`` compute the rest, then stores the new full blocks, so the
+next prompt sharing the prefix (in this process or another sharing a file or Redis tier) starts
+further on. One prompt per call; models whose cache drops or transforms old tokens are refused.
+transformers (≥ 4.56) is imported lazily. Layout, exactness and limits: docs/hf.md.
 """
 
 from __future__ import annotations

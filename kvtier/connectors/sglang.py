@@ -1,51 +1,12 @@
 """SGLang HiCache L3 storage backend over kvtier's tiers (file, Redis — any tier list kvtier builds).
 
-What it is for: SGLang's hierarchical cache keeps KV pages in GPU memory (L1), a host pool (L2) and a
-pluggable storage backend (L3). :class:`KVTierHiCacheStorage` is that backend: SGLang loads it through
-its ``dynamic`` backend option and calls ``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1`` (or the
-older ``get``/``set`` family); kvtier stores the pages in its tiers with checksums, shares them across
-servers through Redis and keeps them across restarts in files. See ``examples/sglang_backend.md``.
-
-What it is not: a second host cache (SGLang's host pool is L2 already; give kvtier file and Redis
-tiers), nor a store for SGLang's v2 multi-pool transfers (Mamba/SWA sidecar pools).
-
-Pages and blocks. A host-pool page of ``page_size`` tokens is one kvtier block per *component*: K
-and V for MHA models (two contiguous regions of the ``page_first`` pool), one latent block for MLA.
-Each block's :class:`~kvtier.BlockLayout` describes its bytes exactly as the host pool holds them —
-``page_first``: ``[token, layer, head, dim]`` is described as one "layer" of ``page_size`` tokens of
-``layers·heads·dim`` elements; ``page_first_direct`` and ``layer_first``: ``[layer, token, head, dim]``
-as ``layers`` layers of ``heads·dim`` elements — so ``batch_get_v1``/``batch_set_v1`` hand views of
-the host pool itself to the tiers (zero copy: file reads land in the pool, Redis replies are received
-into it) for ``page_first`` and ``page_first_direct``; ``layer_first`` pages are not contiguous and go
-through one staging copy. The pool's pages are :mod:`kvtier.pages` regions (:meth:`PageGeometry.page_movers`),
-moved by the page mover every connector uses. Pages written in one layout are never read in another:
-the layout is part of the namespace.
-
-Keys. SGLang's page key (a chained SHA-256 of the page's tokens) is hashed with the component into a
-32-byte block hash; the namespace adds what SGLang's own backends put in key suffixes — model name,
-TP rank and size, PP stage, attention-CP rank, and the dtype and layout of the pages. An MLA model's
-pages are the same on every TP rank, so they live under one namespace (TP 0 of 1) and only the
-storage writer (TP rank 0, or SGLang's ``is_storage_writer``) writes them: stored once, not per rank.
-Tiers are shared between processes only where they are shared by design: a Redis tier is one store
-for every rank and server; a file tier belongs to one process (its index lives in that process), so
-attention-DP ranks get a namespace each when a file tier is configured, and with MLA under TP > 1 the
-non-writer ranks see only the file-tier pages that existed when they started (a Redis tier shares
-new MLA pages across ranks; a warning says so at start).
-
-Configuration: SGLang's ``--hicache-storage-backend-extra-config`` JSON names this class and carries
-``kvtier_config``: a path to a kvtier YAML file, or the same mapping inline, with ``tiers`` and
-``placement`` only — the model section, ``hash_block_size`` and groups come from SGLang's host pool
-(``KVTIER_SGLANG_CONFIG`` in the environment is used when ``kvtier_config`` is absent). The
-configuration is validated when SGLang constructs the backend, so a bad key fails the launch with its
-key path; the tiers are built when SGLang registers its host pool (the page geometry is known then).
-
-Failures (docs/architecture.md#failure-contract): a tier fault is a miss or a failed store. Every
-public method also turns an unexpected exception into a miss / ``False`` and logs it: SGLang calls
-these methods on daemon threads that are never restarted, so an exception there would silently
-switch L3 off for good.
-
-sglang is imported lazily: ``KVTierHiCacheStorage`` is created on first access to the attribute (SGLang
-does that through ``getattr(module, class_name)``), so this module imports without sglang installed.
+:class:`KVTierHiCacheStorage` is what SGLang's ``dynamic`` storage backend loads: SGLang's host pool
+is L2, so kvtier adds checksummed pages on local files (kept across restarts) and in Redis (shared by
+servers). A host-pool page is one kvtier block per component (K and V, or one MLA latent block),
+handed to the tiers as a view of the pool where its layout allows (zero copy). Every public method
+turns a failure into a miss or ``False``: SGLang calls them on daemon threads it never restarts.
+Pages move through the shared page mover (kvtier.pages). sglang is imported lazily (the class is
+built on first attribute access). Setup, keys, namespaces and limits: examples/sglang_backend.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The copy-engine path: ``cudaMemcpyAsync`` over address pairs, adjacent copies merged into one.
 
-The alternative to the kernels of :mod:`kvtier.kernels.cuda` (docs/architecture.md#kernels): the GPU's
-DMA engines move each contiguous piece, which reaches full PCIe bandwidth for large pieces but pays a
-fixed cost per call, so small pieces crawl (vLLM PR #42212). :func:`coalesce` merges copies whose source
-and destination both continue where the previous one ended — fresh CPU- or GPU-tier slots are handed out
-in ascending order, and FlashInfer keeps a block's K and V side by side — so a batch often needs far
-fewer calls than pieces. Which path a transfer takes is decided elsewhere
-(:class:`kvtier.tiers.gpu.TransferChoice`); this module only enqueues.
-
-:func:`coalesce` is pure Python and tested on CPU; :func:`memcpy_async` needs CUDA and CuPy and,
-like everything in :mod:`kvtier.kernels`, is imported only when a transfer runs.
+The alternative to the kernels of :mod:`kvtier.kernels.cuda` (docs/architecture.md#kernels): the DMA
+engines move each contiguous piece, fast for large pieces but with a fixed cost per call, so
+:func:`coalesce` (pure Python) merges copies that continue one another. Which path a transfer takes
+is :class:`kvtier.tiers.gpu.TransferChoice`'s decision; this module only enqueues.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """CUDA block kernels (``copy_blocks.cu``), compiled at run time with CuPy and launched on torch streams.
 
-Same moves and signatures as :mod:`kvtier.kernels.fallback` (plus a ``stream``): :func:`pack_blocks`,
-:func:`unpack_blocks`, :func:`copy_blocks`. Cross-layer blocks may live in device memory or in
-page-locked host memory, which the kernels reach through its mapped (UVA) address, so one launch
-moves many blocks between GPU and host. Nothing here is imported by ``import kvtier``; the first
-launch compiles the source shipped as package data, and without CUDA or CuPy every entry point
-raises :class:`~kvtier.errors.TierUnavailable` saying which is missing.
-
-The kernels' address math lives twice: in the ``.cu`` source and in :func:`piece_geometry` /
-:func:`piece_byte_addresses`, a torch mirror that the CPU tests check against the torch reference,
-so the index math is proven without a GPU. This module moves bytes; it does not decide when.
+The moves of :mod:`kvtier.kernels.fallback` (plus a ``stream``); blocks may be in device memory or in
+page-locked host memory reached by its mapped address, so one launch moves many blocks between GPU
+and host. Compiled on first launch; without CUDA or CuPy every entry point raises
+:class:`~kvtier.errors.TierUnavailable`. :func:`piece_geometry` / :func:`piece_byte_addresses` mirror
+the kernels' address math in torch, so CPU tests check it without a GPU.
 """
 
 from __future__ import annotations

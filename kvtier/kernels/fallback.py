@@ -1,18 +1,9 @@
 """Torch reference for kvtier's block kernels: exact, batched, on any device.
 
-Three moves, the same ones the CUDA kernels make (docs/architecture.md#kernels):
-
-* :func:`pack_blocks` gathers engine blocks from per-layer paged KV tensors into cross-layer blocks
-  (the way out of the engine),
-* :func:`unpack_blocks` scatters cross-layer blocks back into the per-layer tensors (the way in),
-* :func:`copy_blocks` copies whole cross-layer blocks between two block buffers, possibly on two
-  devices (GPU slab ↔ pinned host slab).
-
-Every call does one indexed torch op per layer (never a Python loop over blocks), works on views of
-the caller's tensors (no hidden copies of the engine cache), and copies bits, not values: tensors are
-reinterpreted as integers of the same width, so NaN payloads and float8 survive unchanged. Inputs
-are validated up front and a :class:`~kvtier.errors.LayoutMismatch` names the bad tensor. This module
-is the reference the tests check the fast kernels against, not the fast path on a GPU.
+The moves the CUDA kernels make (:func:`pack_blocks`, :func:`unpack_blocks`, :func:`copy_blocks`;
+docs/architecture.md#kernels), one indexed torch op per layer on views of the caller's tensors,
+copying bits rather than values (NaN payloads and float8 survive). The tests check the fast kernels
+against it; it is not the fast path on a GPU.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """The default: leaf-first eviction, with learned per-class lifetimes where the workload rewards them.
 
-Two behaviours win on different workload families, and a cache cannot know in advance which one
-it serves:
-
-* **Chains** (long agentic sessions, RAG over long shared documents): a block is only usable after
-  its whole prefix, so the tail of a chain must leave before its head — *leaf-first* eviction — and
-  plain recency among the leaves is hard to beat (:class:`~kvtier.policy.chains.LeafLRUPolicy`).
-* **Dead blocks** (multi-turn chat: most new blocks are never referenced again): blocks seen once
-  deserve a shorter life than blocks seen again, with lifetimes learned from the reuse distances of
-  the workload (:class:`~kvtier.policy.lifetime.LearnedLifetimePolicy`).
-
-Both experts run over one set of structures. The learned-lifetime class queues hold only *leaves*
-(blocks no resident block continues, see :class:`~kvtier.policy.chains.ChainForest`); inner blocks
-wait aside until their last successor leaves and then re-enter their class queue at the place
-their last reference gives them; blocks detached from their chain (their prefix left this tier)
-go first. So whichever expert decides, tails go before heads, and across tiers a chain's tail is
-demoted before its head.
-
-**Which expert decides** is learned online, from ghost history: the lifetime model keeps, for the
-keys it evicted, their class and last reference (:mod:`kvtier.policy.lifetime`, a tagged table),
-and from the reuse distances of resident and ghost keys it builds, every half capacity of
-references, the hit curve of both experts: per-class lifetimes, and one common lifetime (what
-recency does). When the per-class solution beats recency by at least 2 % of modelled hits, the
-oldest-per-class leaf that most overstays its class lifetime is evicted; otherwise the oldest leaf
-(leaf-first LRU, exactly). The comparison is repeated as the workload moves, over a history of
-~16 capacities of references, so the policy switches back when the workload does.
-
-Cost per reference: the lifetime policy's, plus a chain link per insert and an unlink per removal.
+Two experts over one set of structures: leaf-first LRU (:mod:`kvtier.policy.chains`), which keeps
+chains whole, and learned lifetimes (:mod:`kvtier.policy.lifetime`), which recognise dead blocks.
+Only leaves are candidates, so tails leave before heads whichever expert decides; which one decides
+is learned online from the reuse distances of resident and ghost keys. docs/policies.md explains why
+and shows the results.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-"""Prefix chains inside one partition, and leaf-first LRU.
+"""Prefix chains inside one partition (:class:`ChainForest`), and leaf-first LRU (:class:`LeafLRUPolicy`).
 
-Engines chain their block hashes: block *j* of a prompt is only usable when blocks ``0..j-1`` are
-cached too. A block that some cached block continues is an *inner* block; evicting it orphans its
-successors, which then occupy slots no prefix lookup can reach. :class:`ChainForest` keeps the
-links a partition needs to avoid that, from :attr:`InsertHint.predecessor`:
-
-* a block whose predecessor is resident is linked under it; one whose predecessor is absent when
-  it arrives is a *root* here (its head is presumably in another tier, or was never stored);
-* when a resident block leaves, its resident successors (and theirs) become *detached*: useless
-  for prefix hits in this tier, so chain-aware policies demote or drop them before anything else;
-  if the block comes back, they are attached again;
-* bad data costs nothing: a block naming itself is a root, an unknown parent makes a root, and a
-  link that would close a cycle (successors stored before their predecessor, which names one of
-  them as its own ancestor) is dropped, so every chain keeps a head and a tail.
-
-:class:`LeafLRUPolicy` evicts detached leaves first, then the least recently used *leaf* (a block
-no resident block continues), as SGLang's radix cache does; only when every leaf is pinned does it
-take an inner block, least recently used first. Every operation is O(1) amortised, except that
-detaching or re-attaching walks the subtree concerned (each block once per such event).
+A block is only usable when its whole prefix is cached, so evicting an inner block orphans its
+successors. :class:`ChainForest` links blocks under their resident predecessor
+(:attr:`InsertHint.predecessor`), detaches the successors of a block that leaves, and tolerates bad
+links (self links, unknown parents, cycles). :class:`LeafLRUPolicy` evicts detached blocks first,
+then the least recently used leaf. docs/policies.md (Chains) has the rules.
 """
 
 from __future__ import annotations

@@ -1,40 +1,12 @@
 """Learned lifetimes: give each frequency class the lifetime that buys the most hits per slot.
 
-KV blocks of multi-turn chat are reused when the user comes back — seconds to minutes later, long
-after LRU at a small capacity has let them go — and a block referenced before is far more likely to
-be referenced again than one seen once. Recency alone cannot tell them apart; a fixed frequency
-rule (LFU, SLRU, TinyLFU) does not know how long a reuse takes to come. This policy learns both
-from the workload, per partition:
-
-1. **Classes.** A block's first reference puts it in class 0, each further one a class up, to
-   ``K - 1`` (``K = 3``: seen once, twice, three or more times). History outlives residency: an
-   evicted key leaves its class and last reference time in a small tagged table; a key that comes
-   back within the *reach* of ``max(4 × capacity, 2^17)`` references returns to its class, one
-   class up if it came back within a quarter of the reach (an older return is weak evidence of
-   frequency, as a count-min sketch that halves its counters would say too). Beyond the reach, or
-   after a collision in the table, it starts again in class 0. One table read per new block and
-   one write per eviction: this replaced a count-min sketch updated on every reference.
-2. **Reuse statistics.** For a hash-sampled half of the keys, each reference adds the distance since
-   the key's previous reference (read from its queue entry while resident, from the table
-   otherwise) to a histogram of the class the key had then, up to the reach. Histograms decay over
-   ~16 capacities of references.
-3. **Lifetimes.** Every half capacity of references (at least 2048) it solves the allocation those
-   histograms define: holding class-``c`` blocks for ``A_c`` references after their last reference
-   costs ``occupancy_c(A_c)`` slots and earns ``hits_c(A_c)``; a greedy walk over the upper concave
-   hulls of the per-class (occupancy, hits) curves picks the ``A_c`` that maximise hits within the
-   capacity (``A_c = 0``: do not keep). Lifetimes are then made to grow with the class (5 % per
-   class), so along a chain — whose counts only fall from head to tail — heads outlive tails and
-   no kept block is orphaned by an evicted prefix. If the solution beats one common lifetime
-   (which is what LRU does) by less than ``min_gain`` (2 %) of modelled hits, it uses LRU: a small
-   modelled gain is noise.
-4. **Eviction.** Blocks sit in one LRU queue per class; the victim is the oldest block of the class
-   that has most overstayed its lifetime, ``age / A_c``; once learned, the class is re-chosen every
-   8 references, and a class whose oldest block is pinned (mostly: the store in progress) sits out.
-
-O(1) per reference and O(K) per victim; memory is the table (up to 16 bytes per reference of
-reach). Before the first refit, and whenever classes do
-not matter, it is exactly LRU (pins included). Distances are counted in references to this partition, so the policy
-works unchanged in any tier.
+A block's reference count (kept across evictions in a small tagged table) puts it in one of three
+classes; reuse distances per class, sampled and decayed, define how many hits each class would earn
+per slot for each lifetime, and every half capacity of references a greedy walk over those curves
+picks the lifetimes. The victim is the oldest block of the class that most overstays its lifetime;
+when the model shows no gain over one common lifetime the policy is exactly LRU. O(1) per reference,
+O(classes) per victim; memory is the table (up to 16 bytes per reference of reach). docs/policies.md
+describes the algorithm and its results.
 """
 
 from __future__ import annotations

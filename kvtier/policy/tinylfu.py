@@ -1,13 +1,9 @@
 """W-TinyLFU (Einziger, Friedman & Manes, 2017): a frequency filter in front of a segmented LRU.
 
-New blocks enter a small LRU *window* (1 % of the partition). A block pushed out of the window is a
-*candidate* for the main area, a segmented LRU (probation 20 %, protected 80 %); when the main area
-is full the candidate is admitted only if a count-min sketch says it was referenced more often than
-the main area's victim. The sketch remembers ~10 × capacity references (counters halve after that
-many increments), so a block's history outlives its residency.
-
-Also here: :class:`CountMinSketch` and :func:`key_hash`, which the learned-lifetime policy and the
-TinyLFU admission filter share. Not here: placement, tiers, bytes.
+New blocks enter a small LRU window; a block pushed out of it enters the segmented-LRU main area only
+if a count-min sketch says it was referenced more often than the main area's victim (sizes in
+docs/policies.md). Also here: :class:`CountMinSketch` and :func:`key_hash`, shared with the
+learned-lifetime policy and the TinyLFU admission filter.
 """
 
 from __future__ import annotations

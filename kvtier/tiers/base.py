@@ -1,16 +1,9 @@
 """The one interface every storage tier implements: batched operations on whole blocks.
 
-A tier knows bytes, never decisions: it stores, returns and deletes whole blocks of a fixed size per
-KV-cache group, and reports what it holds. Who is evicted, where a block goes and when it is promoted
-is decided by :mod:`kvtier.policy` and wired by :class:`kvtier.cache.TieredCache`.
-
-Blocks cross this interface as 1-D ``torch.uint8`` tensors of exactly the group's block bytes
-(``BlockLayout.nbytes``); on the CPU they are zero-copy numpy-compatible views.
-
-Failure contract (docs/architecture.md#failure-contract): ``put`` and ``get`` report per-block success
-and never raise for an I/O fault, a dead server or a corrupt block — those become ``False`` (a failed
-store / a miss) and a counted error. They raise only for programming errors (wrong buffer size, unknown
-group).
+A tier knows bytes, never decisions: it stores, returns and deletes whole blocks (1-D ``uint8``
+tensors of the group's block bytes) and reports what it holds; :mod:`kvtier.policy` decides and
+:class:`kvtier.cache.TieredCache` wires. ``put`` and ``get`` never raise for I/O faults, dead servers
+or corrupt blocks (docs/architecture.md#failure-contract), only for programming errors.
 """
 
 from __future__ import annotations

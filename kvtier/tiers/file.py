@@ -1,44 +1,15 @@
 """The NVMe / local-disk tier: one self-describing file per block, written atomically, indexed in memory.
 
-What it is for: holding far more KV blocks than host memory, across process restarts. Every block is
-one file, ``<root>/<namespace>/g<group>/<first 2 hex of hash>/<hash hex>.kvb``, written to a temporary
-name and renamed into place, so a reader (or a restarted process) only ever sees complete files. The
-index of what is stored (key → file size) lives in memory and is rebuilt from the directory tree at
-construction, so a restarted server starts with a warm cache.
+Holds far more blocks than host memory, across restarts: each block is one checksummed file
+(a 4096-byte header page, then the page-aligned payload) renamed into place, and the in-memory index
+is rebuilt from the directory tree at start. It stores what the cache gives it (no eviction of its
+own); a corrupt or foreign file is a miss and is removed, an I/O fault a miss or ``False``.
+docs/file-tier.md describes the files on disk, the batched data path and the I/O choices.
 
-What it is not: an eviction policy (the cache deletes victims before it puts; this tier stores what it
-is given even past ``capacity_bytes`` and only says so at debug level), a store shared by processes
-(one namespace directory belongs to one process at a time: start-up removes every temporary file in
-it), or a database (with ``fsync=False``, the default, a crash may lose recent blocks — it never makes
-a reader return wrong bytes, because every block is checksummed and validated on read).
-
-File format: a 4096-byte header page (the :mod:`kvtier.codec` header, zero padded), then the payload
-(the raw block, or its lz4 form), zero padded to a 4096 multiple. The payload is therefore
-page-aligned in the file and a raw block is read with one ``preadv([header_page, caller_buffer])``;
-every file can be read with ``O_DIRECT`` whatever wrote it.
-
-I/O choices, measured with 2 MiB blocks on ext4 over a virtio disk (the reads, warm, cold and direct,
-are re-measured by ``benchmarks/bench_tiers.py``; docs/file-tier.md has the reasoning and the figures
-against other stores):
-
-- Writes use ``O_DIRECT`` (when the filesystem accepts it; otherwise buffered I/O, logged once and
-  visible as :attr:`FileTier.direct_io_active`). Direct writes were 1.4–1.8× faster than buffered ones
-  and leave the page cache to the data that is read. A caller buffer that is not page-aligned (plain
-  ``torch.empty`` is only 64-byte aligned) or a compressed payload is copied into a per-thread,
-  page-aligned scratch buffer first; that copy cost nothing measurable next to the disk.
-- Reads are buffered by default (``direct_reads=False``). A warm read from the page cache ran ~3×
-  faster than any direct read; a cold buffered read ran at 70–90 % of a cold direct read. Buffered
-  reads go straight into the caller's buffer, whatever its alignment. ``direct_reads=True`` gives
-  page-cache-free reads (worth it when host memory belongs to the CPU tier); the benchmark reports
-  warm and cold reads separately so neither number stands in for the other.
-
-Failure behaviour (see :mod:`kvtier.tiers.base`): an I/O fault on put is a ``False`` for that block (its
-temporary file and any older version removed, counted as ``enospc`` or ``io``); a missing file is a
-miss (``missing``); a corrupt or truncated file, a block of another namespace (another model or TP
-rank: the header carries the namespace fingerprint) and anything but a regular file (a FIFO, a symbolic
-link, a directory: opened with ``O_NOFOLLOW | O_NONBLOCK``, so never waited on) are misses and are
-removed (``corrupt``); an I/O fault on
-read is a miss that keeps the file for a later retry (``io``). Only programming errors raise.
+One module because the pieces share one batch machinery: the I/O threads that drain a batch, the
+aligned scratch buffers, the index and its lock, the disk-full capacity tracking and the chain log
+are used together by put, get, contains and the start-up scan; split apart they would need the
+tier's private state passed back and forth on the hot path.
 """
 
 from __future__ import annotations

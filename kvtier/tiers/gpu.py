@@ -1,21 +1,10 @@
 """GPU tier (a slab of device memory per group) and the engine's own KV cache as a transfer endpoint.
 
-:class:`GpuTier` is the top tier: ``capacity_bytes[g] // block_bytes`` fixed-size slots per group on
-one CUDA device, handed out as zero-copy views like the CPU tier's. :class:`EngineKV` wraps the
-engine's paged KV cache (cross-layer base tensor or per-layer tensors, as
-:func:`kvtier.detect.detect_kv_layout` finds it) so blocks addressed by *engine block ids* move to
-and from tier slots on a dedicated CUDA stream: a store first waits for the compute stream's writes,
-a load gives the engine an event to wait on, and nothing blocks the engine's stream.
-
-Every batch moves with one kernel launch (:mod:`kvtier.kernels.cuda`) or through the copy engine
-(:mod:`kvtier.kernels.copy_engine`: one ``cudaMemcpyAsync`` per contiguous run), as
-:class:`TransferChoice` decides from the size of the contiguous pieces against a crossover — a
-gpu tier's ``transfer`` key in YAML, shared by the tier's own copies and by an :class:`EngineKV`
-built with ``transfer=tier.transfer``.
-
-Not here: deciding what to move or evict (the cache and policies do), checksums (bytes stay in
-process memory). Without CUDA or CuPy, constructing either class raises
-:class:`~kvtier.errors.TierUnavailable` with the reason.
+:class:`GpuTier` hands out fixed-size slots on one CUDA device as zero-copy views, like the CPU tier.
+:class:`EngineKV` wraps an engine's paged KV cache so blocks addressed by engine block ids move to and
+from tier slots on a stream of their own, never blocking the engine's stream. Each batch moves with
+one kernel launch or through the copy engine, as :class:`TransferChoice` decides (the tier's
+``transfer`` key). Without CUDA or CuPy both raise :class:`~kvtier.errors.TierUnavailable`.
 """
 
 from __future__ import annotations

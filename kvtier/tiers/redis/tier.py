@@ -1,21 +1,10 @@
 """The Redis tier: KV blocks as values in one Redis server or a Redis Cluster, shared by processes.
 
-One value per block, ``codec header ‖ payload`` (lz4 optional), under the key
-``kvtier:<namespace>:<group>:<block hash hex>``; a block stored by one process is a hit for every
-other process configured with the same namespace. Redis owns capacity (``maxmemory``, see
-docs/redis.md): a key it dropped is a miss, and kvtier keeps no local list of keys.
-
-This module is the tier's logic: routing a batch to nodes, following ``MOVED``/``ASK`` once, the
-per-node circuit breakers, counters and health. The wire protocol and pools are in ``protocol``, the
-per-block requests and I/O threads in ``requests``, the slot map and SCAN in ``cluster``.
-
-Failures never raise into the caller: a timeout, a refused or reset connection, a dead cluster node
-or an error reply turns the affected blocks into misses (``get``, ``contains``) or ``False``
-(``put``) and is counted in :attr:`Tier.counters` under the names docs/redis.md lists.
-
-Threads: the coroutines run on the caller's event loop; only the I/O threads touch sockets, only the
-event loop touches counters and breakers, and a slot-map read runs on a worker thread. No state is
-bound to an event loop: a tier may be used from one loop after another.
+One value per block (codec header ‖ payload) under ``kvtier:<namespace>:<group>:<hash hex>``; Redis
+owns capacity, so a key it dropped is a miss. This module routes a batch to nodes, follows
+``MOVED``/``ASK`` once, and keeps the per-node breakers, counters and health; the wire protocol and
+pools are in ``protocol``, the per-block requests and I/O threads in ``requests``, the slot map and
+SCAN in ``cluster``. Faults become misses or ``False``, never exceptions. docs/redis.md has the rest.
 """
 
 from __future__ import annotations
