@@ -38,7 +38,7 @@ from zlib import crc32
 from kvtier.blocks import BlockKey
 from kvtier.policy.base import InsertHint, take_unpinned
 from kvtier.policy.chains import ChainForest
-from kvtier.policy.lifetime import _NEVER_KEEP, _SAMPLE_SHIFT, LearnedLifetimePolicy, _bin
+from kvtier.policy.lifetime import _NEVER_KEEP, _SAMPLE_SHIFT, _SUB, LearnedLifetimePolicy, _bin
 
 
 def _last_reference(front: tuple[int, BlockKey, int]) -> int:
@@ -144,14 +144,14 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         t = self._clock = self._clock + 1
         old, h = meta
         cls = meta[0] = old + 1 if old < self._top else old
-        then = self._queues[old].pop(key, None)
+        inner = self._inner
+        then = inner.get(key)  # first: most hits are inner blocks of a cached prefix
         if then is not None:
-            self._queues[cls][key] = t
+            inner[key] = t
         else:
-            inner = self._inner
-            then = inner.get(key)
+            then = self._queues[old].pop(key, None)
             if then is not None:
-                inner[key] = t
+                self._queues[cls][key] = t
             else:
                 then = self._late[old].pop(key, None)
                 if then is not None:
@@ -161,8 +161,10 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                     then = detached[key]
                     detached[key] = t
         if not h >> _SAMPLE_SHIFT:
-            if t - then <= self._reach:
-                self._hist[old][_bin(t - then)] += 1.0
+            d = t - then
+            if d <= self._reach:
+                e = d.bit_length() - 1  # _bin(d), inlined
+                self._hist[old][e * _SUB + ((d >> (e - 2)) & 3) if e >= 2 else _bin(d)] += 1.0
             self._refs[cls] += 1.0
         if t >= self._next_refit:
             self._refit()
