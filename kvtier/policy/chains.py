@@ -80,7 +80,8 @@ class ChainForest:
         self.detached.update(detached)
         return parent, True, _NONE, detached
 
-    def unlink(self, key: BlockKey, resident: Container[BlockKey]) -> tuple[BlockKey | None, Sequence[BlockKey]]:
+    def unlink(self, key: BlockKey,
+               resident: Container[BlockKey]) -> tuple[BlockKey | None, Sequence[BlockKey]]:
         """Forget the departed ``key``.
 
         Returns ``(parent, detached)``: the resident predecessor that became a leaf (or None), and
