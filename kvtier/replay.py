@@ -58,9 +58,32 @@ class Trace:
     tokens: list[int]
     distinct_blocks: int
 
+    _hints: list[list[InsertHint]] | None = field(default=None, init=False, repr=False, compare=False)
+
     @property
     def references(self) -> int:
         return sum(len(r) for r in self.requests)
+
+    def chain_hints(self) -> list[list[InsertHint]]:
+        """Per request, the insert hint of each block (:func:`chain_hints`), built once per trace.
+
+        Equal hints share one object (a block id recurs with the same position and predecessor), so
+        this costs memory per distinct block, not per reference."""
+        if self._hints is None:
+            shared: dict[tuple[int, BlockKey | None], InsertHint] = {}
+            hints = []
+            for keys in self.requests:
+                row = []
+                pred = None
+                for j, key in enumerate(keys):
+                    hint = shared.get((j, pred))
+                    if hint is None:
+                        hint = shared[(j, pred)] = InsertHint(j, -1, pred)
+                    row.append(hint)
+                    pred = key
+                hints.append(row)
+            self._hints = hints
+        return self._hints
 
     @property
     def input_tokens(self) -> int:
@@ -341,6 +364,11 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
     finish_demotion = residency.finish_demotion
     observe = oracle.observe if oracle is not None else None
     entries0 = indexes[0].entries
+    get0 = entries0.get
+    settle0 = indexes[0].settle
+    access0 = indexes[0].policies[0].access  # the replay's keys are all of group 0
+    all_hints = trace.chain_hints()
+    tokens = trace.tokens
 
     block_hits = prefix_tokens = evicted0 = written0 = 0
     done = base = 0
@@ -352,37 +380,51 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
             for j in range(n):
                 observe(keys[j], future[base + j])
             base += n
-        found = locate_prefix(keys)
-        k0 = len(found)
-        if k0:
-            for j in range(k0):
-                touch(found[j], keys[j])
-            if num_tiers == 1:
-                hits_in[0] += k0
-            else:
-                for t in found:
-                    hits_in[t] += 1
-                _promote(residency, keys, found, tiers)
-            prefix_tokens += k0 * block_tokens if k0 < n else trace.tokens[r]
-        if k0 < n:
-            rest = keys[k0:] if k0 else keys
-            if num_tiers == 1:
-                block_hits += k0
-                for j in range(k0 + 1, n):
-                    if entries0.get(keys[j]) == READY:
-                        block_hits += 1
-                plan = plan_store(rest, chain_hints(keys, k0, n))
+        if num_tiers == 1:
+            # locate_prefix and touch, inlined for one tier: the leading READY run is the prefix hit
+            k0 = 0
+            for key in keys:
+                if get0(key) != READY:
+                    break
+                access0(key)
+                k0 += 1
+            if k0 < n:
+                if k0:
+                    prefix_tokens += k0 * block_tokens
+                    rest = keys[k0:]
+                    hints = all_hints[r][k0:]
+                    block_hits += k0 + [get0(key) for key in keys[k0 + 1:]].count(READY)
+                else:
+                    rest = keys
+                    hints = all_hints[r]
+                    block_hits += [get0(key) for key in keys[1:]].count(READY)
+                plan = plan_store(rest, hints)
                 evicted0 += len(plan.drops[0])
                 writes = plan.writes[0]
                 written0 += len(writes)
                 for i in writes:
-                    finish_write(0, rest[i], True)
-            else:
-                block_hits += k0 + sum(1 for key in rest[1:] if locate(key) is not None)
-                plan = plan_store(rest, chain_hints(keys, k0, n))
-                _execute(plan, rest, tiers, finish_write, finish_demotion)
+                    settle0(rest[i], True)
+            elif n:
+                prefix_tokens += tokens[r]
+                block_hits += n
+            hits_in[0] += k0
         else:
-            block_hits += k0
+            found = locate_prefix(keys)
+            k0 = len(found)
+            if k0:
+                for j in range(k0):
+                    touch(found[j], keys[j])
+                for t in found:
+                    hits_in[t] += 1
+                _promote(residency, keys, found, tiers)
+                prefix_tokens += k0 * block_tokens if k0 < n else tokens[r]
+            if k0 < n:
+                rest = keys[k0:] if k0 else keys
+                block_hits += k0 + sum(1 for key in rest[1:] if locate(key) is not None)
+                plan = plan_store(rest, all_hints[r][k0:])
+                _execute(plan, rest, tiers, finish_write, finish_demotion)
+            else:
+                block_hits += k0
         done += n
         if progress is not None and not r & 255:
             progress(done)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Container
+from zlib import crc32
 
 from kvtier.blocks import BlockKey
 from kvtier.policy.base import InsertHint, take_unpinned
 from kvtier.policy.chains import ChainForest
-from kvtier.policy.lifetime import _NEVER_KEEP, LearnedLifetimePolicy
+from kvtier.policy.lifetime import _NEVER_KEEP, _SAMPLE_SHIFT, _SUB, LearnedLifetimePolicy, _bin
 
 
 def _last_reference(front: tuple[int, BlockKey, int]) -> int:
@@ -71,63 +72,94 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 t = self._detached.pop(key)
         return t
 
-    def _aside(self, key: BlockKey, cls: int) -> dict[BlockKey, int] | None:
-        """The side table holding ``key`` (inner, detached or late leaf), or None if it is queued."""
-        if key in self._queues[cls]:
-            return None
-        for where in (self._inner, self._late[cls], self._detached):
-            if key in where:
-                return where
-        raise KeyError(key)
-
     # --- EvictionPolicy ----------------------------------------------------------------------------
     def insert(self, key: BlockKey, hint: InsertHint = InsertHint()) -> None:
-        if key in self._meta:
+        meta = self._meta
+        if key in meta:
             self.access(key)
             return
-        super().insert(key, hint)
-        parent, inner, attached, detached = self.chains.link(key, hint.predecessor, self._meta)
+        # the lifetime policy's insert, inlined: the key's class from its ghost entry, if any
+        h = crc32(*key)
+        t = self._clock = self._clock + 1
+        entry = self._table[h & self._slot_mask]
+        if entry and (entry >> 4) & 0xFFFF == h >> 16 and t - (entry >> 20) <= self._reach:
+            old = entry & 15
+            cls = old + 1 if old < self._top and t - (entry >> 20) <= self._repeat_within else old
+            if not h >> _SAMPLE_SHIFT:
+                self._hist[old][_bin(t - (entry >> 20))] += 1.0
+                self._refs[cls] += 1.0
+        else:
+            cls = 0
+            if not h >> _SAMPLE_SHIFT:
+                self._refs[0] += 1.0
+        meta[key] = [cls, h]
+        queue = self._queues[cls]
+        queue[key] = t
+        if t >= self._next_refit:
+            self._refit()
+        parent, inner, attached, detached = self.chains.link(key, hint.predecessor, meta)
         if parent is not None and parent not in self._inner:
             self._inner[parent] = self._from_leaf(parent)
         for k in attached:
-            t = self._detached.pop(k, None)
-            if t is not None:
-                self._to_leaf(k, t)
+            then = self._detached.pop(k, None)
+            if then is not None:
+                self._to_leaf(k, then)
         for k in detached:
             if k not in self._inner:
                 self._detached[k] = self._from_leaf(k)
-        if inner or key in self.chains.detached:
-            t = self._queues[self._meta[key][0]].pop(key)
-            if inner:
-                self._inner[key] = t
-            else:
-                self._detached[key] = t
+        if inner:
+            self._inner[key] = queue.pop(key)
+        elif key in self.chains.detached:
+            self._detached[key] = queue.pop(key)
 
     def access(self, key: BlockKey) -> None:
+        # the lifetime policy's access, inlined, for a key in whichever lane holds it: a queued leaf
+        # moves to its new class's queue; an inner or detached block stays aside with its new time;
+        # a late leaf is now the newest of its new class
         meta = self._meta.get(key)
         if meta is None:
             return
-        cls = meta[0]
-        where = self._aside(key, cls)
-        if where is None:
-            super().access(key)
-            return
-        # learn from the reference as the lifetime policy does; an inner or detached block stays aside,
-        # a late leaf is now the newest of its class
-        self._queues[cls][key] = where.pop(key)
-        super().access(key)
-        if where is not self._late[cls]:
-            where[key] = self._queues[meta[0]].pop(key)
+        t = self._clock = self._clock + 1
+        old, h = meta
+        cls = meta[0] = old + 1 if old < self._top else old
+        inner = self._inner
+        then = inner.get(key)  # first: most hits are inner blocks of a cached prefix
+        if then is not None:
+            inner[key] = t
+        else:
+            then = self._queues[old].pop(key, None)
+            if then is not None:
+                self._queues[cls][key] = t
+            else:
+                then = self._late[old].pop(key, None)
+                if then is not None:
+                    self._queues[cls][key] = t
+                else:
+                    detached = self._detached
+                    then = detached[key]
+                    detached[key] = t
+        if not h >> _SAMPLE_SHIFT:
+            d = t - then
+            if d <= self._reach:
+                e = d.bit_length() - 1  # _bin(d), inlined
+                self._hist[old][e * _SUB + ((d >> (e - 2)) & 3) if e >= 2 else _bin(d)] += 1.0
+            self._refs[cls] += 1.0
+        if t >= self._next_refit:
+            self._refit()
 
     def remove(self, key: BlockKey) -> None:
-        meta = self._meta.get(key)
+        meta = self._meta.pop(key, None)
         if meta is None:
             return
-        cls = meta[0]
-        where = self._aside(key, cls)
-        if where is not None:
-            self._queues[cls][key] = where.pop(key)
-        super().remove(key)
+        cls, h = meta
+        then = self._queues[cls].pop(key, None)
+        if then is None:
+            then = self._inner.pop(key, None)
+            if then is None:
+                then = self._late[cls].pop(key, None)
+                if then is None:
+                    then = self._detached.pop(key)
+        self._table[h & self._slot_mask] = (then << 20) | ((h >> 16) << 4) | cls  # the ghost entry
         parent, detached = self.chains.unlink(key, self._meta)
         for k in detached:
             if k not in self._inner:

@@ -10,10 +10,12 @@ then the least recently used leaf. docs/policies.md (Chains) has the rules.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, Sequence
 
 from kvtier.blocks import BlockKey
 from kvtier.policy.base import EvictionPolicy, InsertHint, take_unpinned
+
+_NONE: tuple[BlockKey, ...] = ()  # an empty result, shared
 
 
 class ChainForest:
@@ -31,7 +33,7 @@ class ChainForest:
         self.detached: set[BlockKey] = set()
 
     def link(self, key: BlockKey, pred: BlockKey | None, resident: Container[BlockKey]) -> tuple[
-            BlockKey | None, bool, list[BlockKey], list[BlockKey]]:
+            BlockKey | None, bool, Sequence[BlockKey], Sequence[BlockKey]]:
         """Record the new resident ``key``.
 
         Returns ``(parent, inner, attached, detached)``: ``parent`` is the resident predecessor that
@@ -55,17 +57,18 @@ class ChainForest:
         if kids and pred is not None and pred in resident:
             self._break_cycles(key, kids, resident)
             kids = self.children.get(key)
-        attached: list[BlockKey] = []
-        detached: list[BlockKey] = []
-        if kids and key not in self.detached:
+        if not kids:
+            return parent, False, _NONE, _NONE  # the usual case: a new tail
+        if key not in self.detached:
             attached = [k for k in self.subtree(kids) if k in self.detached]
             self.detached.difference_update(attached)
-        elif kids:
-            detached = [k for k in self.subtree(kids) if k not in self.detached]
-            self.detached.update(detached)
-        return parent, bool(kids), attached, detached
+            return parent, True, attached, _NONE
+        detached = [k for k in self.subtree(kids) if k not in self.detached]
+        self.detached.update(detached)
+        return parent, True, _NONE, detached
 
-    def unlink(self, key: BlockKey, resident: Container[BlockKey]) -> tuple[BlockKey | None, list[BlockKey]]:
+    def unlink(self, key: BlockKey,
+               resident: Container[BlockKey]) -> tuple[BlockKey | None, Sequence[BlockKey]]:
         """Forget the departed ``key``.
 
         Returns ``(parent, detached)``: the resident predecessor that became a leaf (or None), and
@@ -80,13 +83,14 @@ class ChainForest:
                 del self.children[pred]
                 if pred in resident:
                     parent = pred
-        was_detached = key in self.detached
-        self.detached.discard(key)
         successors = self.children.get(key)
-        detached: list[BlockKey] = []
-        if successors and not was_detached:
-            detached = [k for k in self.subtree(successors) if k not in self.detached]
-            self.detached.update(detached)
+        if key in self.detached:
+            self.detached.discard(key)
+            return parent, _NONE
+        if not successors:
+            return parent, _NONE  # the usual case: a leaf left
+        detached = [k for k in self.subtree(successors) if k not in self.detached]
+        self.detached.update(detached)
         return parent, detached
 
     def _break_cycles(self, key: BlockKey, kids: list[BlockKey], resident: Container[BlockKey]) -> None:

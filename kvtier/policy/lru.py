@@ -18,8 +18,11 @@ class LRUPolicy(EvictionPolicy):
         self._order: OrderedDict[BlockKey, None] = OrderedDict()
 
     def insert(self, key: BlockKey, hint: InsertHint = InsertHint()) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+        else:
+            order[key] = None
 
     def access(self, key: BlockKey) -> None:
         if key in self._order:
@@ -39,6 +42,11 @@ class LRUPolicy(EvictionPolicy):
             pop(key, None)
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
+        if count == 1:  # the common case: the oldest unpinned key
+            for key in self._order:
+                if key not in pinned:
+                    return [key]
+            return []
         out: list[BlockKey] = []
         if count > 0:
             take_unpinned(self._order, pinned, count, out)
