@@ -66,9 +66,9 @@ def tiny_llama(path: Path) -> Path:
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=4096)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=32, max_position_embeddings=4096)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
@@ -81,9 +81,10 @@ def qwen2_0_5b_shape(path: Path) -> Path:
     import torch
     import transformers
 
-    config = transformers.Qwen2Config(vocab_size=32000, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                                      tie_word_embeddings=True, torch_dtype="bfloat16")
+    config = transformers.Qwen2Config(vocab_size=32000, hidden_size=896, intermediate_size=4864,
+                                      num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                      max_position_embeddings=4096, tie_word_embeddings=True,
+                                      torch_dtype="bfloat16")
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return path
@@ -99,8 +100,8 @@ def make_llm(model: Path, kvtier_config: dict[str, Any] | None) -> Any:
 
     transfer = None if kvtier_config is None else KVTransferConfig(
         kv_connector="OffloadingConnector", kv_role="kv_both",
-        kv_connector_extra_config={"spec_module_path": "kvtier.connectors.vllm", "spec_name": "KVTierOffloadingSpec",
-                                   "kvtier_config": kvtier_config})
+        kv_connector_extra_config={"spec_module_path": "kvtier.connectors.vllm",
+                                   "spec_name": "KVTierOffloadingSpec", "kvtier_config": kvtier_config})
     return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=4096,
                kv_cache_memory_bytes=256 << 20, enforce_eager=True, seed=0, kv_transfer_config=transfer)
 
@@ -134,16 +135,18 @@ def serve_engine(conn: Connection, model: str, kvtier_config: dict[str, Any] | N
     conn.send("stopped")
 
 
-def ttft_rounds(model: Path, configs: list[tuple[str, dict[str, Any] | None]], prompts: list[list[int]],
-                repeat: int, switch_interval: float | None = None) -> list[list[tuple[list[float], list[int]]]]:
+def ttft_rounds(
+    model: Path, configs: list[tuple[str, dict[str, Any] | None]], prompts: list[list[int]],
+    repeat: int, switch_interval: float | None = None,
+) -> list[list[tuple[list[float], list[int]]]]:
     """Per round, per configuration: (request TTFTs s, cached tokens per request)."""
     ctx = multiprocessing.get_context("spawn")
     engines = []
     try:
         for _, config in configs:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=serve_engine, args=(child, str(model), config, prompts, switch_interval),
-                               daemon=True)
+            proc = ctx.Process(target=serve_engine,
+                               args=(child, str(model), config, prompts, switch_interval), daemon=True)
             proc.start()
             engines.append((proc, parent))
             if parent.recv() != "ready":  # one engine starts at a time: start-up is not measured alongside
@@ -192,13 +195,16 @@ def metadata_path(num_keys: int, batch: int, repeat: int) -> list[tuple[str, lis
              for _ in range(2 * repeat)]  # new keys for every store pass
     ctx = ReqContext(req_id="bench")
 
-    theirs = CPUOffloadingManager(num_chunks=(1 + 2 * repeat) * num_keys, cache_policy="lru", enable_events=True)
+    theirs = CPUOffloadingManager(num_chunks=(1 + 2 * repeat) * num_keys, cache_policy="lru",
+                                  enable_events=True)
     theirs.on_new_request(ctx)
     theirs.complete_store(theirs.prepare_store(keys, ctx).keys_to_store, ctx)
 
-    geometry = adapter.EngineGeometry(model_name="bench", dtype="bfloat16", tokens_per_hash=16, blocks_per_chunk=1,
-                                      groups=(adapter.EngineGroup(0, 16, 1),), num_kv_heads=1, head_dim=8, mla=False)
-    config = adapter.kvtier_config_for_engine({"tiers": [{"type": "cpu", "capacity": 4 * num_keys * 512}]}, geometry)
+    geometry = adapter.EngineGeometry(model_name="bench", dtype="bfloat16", tokens_per_hash=16,
+                                      blocks_per_chunk=1, groups=(adapter.EngineGroup(0, 16, 1),),
+                                      num_kv_heads=1, head_dim=8, mla=False)
+    config = adapter.kvtier_config_for_engine({"tiers": [{"type": "cpu", "capacity": 4 * num_keys * 512}]},
+                                              geometry)
     runtime = adapter.OffloadRuntime(config, adapter.KeyCodec([0]))
     ours = adapter.KVTierOffloadingManager(runtime, enable_events=True)  # vLLM's class, built from vLLM's API
     ours.on_new_request(ctx)
@@ -275,9 +281,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=9, help="interleaved TTFT rounds (medians)")
     parser.add_argument("--keys", type=int, default=4096, help="keys in the metadata-path stream")
     parser.add_argument("--batch", type=int, default=16, help="keys per prepare_store / prepare_load call")
-    parser.add_argument("--meta-repeat", type=int, default=9, help="interleaved metadata-path passes (medians)")
+    parser.add_argument("--meta-repeat", type=int, default=9,
+                        help="interleaved metadata-path passes (medians)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
-                        help="Redis server of the Redis-tier row (skipped, with a note, if it does not answer)")
+                        help="Redis server of the Redis-tier row (skipped, with a note, if it does not "
+                             "answer)")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval in every engine process, recompute included (default: "
                              "Python's 5 ms); see docs/vllm.md on the file tier")
@@ -296,7 +304,8 @@ def main() -> None:
     configs: list[tuple[str, dict[str, Any] | None]] = [
         ("no offloading (recompute)", None),
         ("kvtier CPU tier", {"tiers": [{"type": "cpu", "capacity": "256MiB"}]}),
-        ("kvtier file tier", {"tiers": [{"type": "file", "path": str(workdir / "nvme"), "capacity": "1GiB"}]}),
+        ("kvtier file tier",
+         {"tiers": [{"type": "file", "path": str(workdir / "nvme"), "capacity": "1GiB"}]}),
     ]
     # the namespace holds the random checkpoint's identity (its path and mtimes): this run's keys are its own,
     # and the TTL ages them out of a shared server
@@ -309,14 +318,16 @@ def main() -> None:
     meta = metadata_path(args.keys, args.batch, args.meta_repeat)
     load_after = os.getloadavg()
 
-    print(f"\nvLLM {vllm.__version__} (CPU build), torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, KMP_BLOCKTIME={os.environ['KMP_BLOCKTIME']}, GIL switch interval "
+    print(f"\nvLLM {vllm.__version__} (CPU build), torch {torch.__version__}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"KMP_BLOCKTIME={os.environ['KMP_BLOCKTIME']}, GIL switch interval "
           f"{(args.switch_interval or sys.getswitchinterval()) * 1e3:g} ms, load average "
           f"{load_before[0]:.2f} → {load_after[0]:.2f}; {model_text}, "
           f"block {BLOCK_SIZE} tokens")
-    print(f"{args.requests} requests × {args.prompt_tokens} tokens sharing {args.shared_tokens}, sent one by one "
-          f"after reset_prefix_cache, max_tokens=1; {args.repeat} interleaved rounds (one pass per engine per "
-          f"round, rotating order); medians over rounds, spread = min–max of the pass means\n")
+    print(f"{args.requests} requests × {args.prompt_tokens} tokens sharing {args.shared_tokens}, "
+          f"sent one by one after reset_prefix_cache, max_tokens=1; {args.repeat} interleaved rounds "
+          f"(one pass per engine per round, rotating order); medians over rounds, spread = min–max of "
+          f"the pass means\n")
     print(f"| {'configuration':<26} | {'mean TTFT ms':>12} | {'spread ms':>13} | {'1st request ms':>14} | "
           f"{'cached tokens':>13} | {'vs recompute':>12} |")
     print(f"|{'-' * 28}|{'-' * 13}:|{'-' * 14}:|{'-' * 15}:|{'-' * 14}:|{'-' * 13}:|")
@@ -330,8 +341,9 @@ def main() -> None:
               f"{statistics.median(firsts) * 1e3:>14.1f} | {cached:>13.0f} | {ratio:>11.2f}× |")
     if redis_note is not None:
         print(f"(no kvtier Redis tier row: {redis_note})")
-    print(f"\nScheduler metadata path through vLLM's OffloadingManager interface (events on), {args.keys} resident "
-          f"keys, {20 * args.keys} lookups; {args.meta_repeat} interleaved passes, medians (min–max)\n")
+    print(f"\nScheduler metadata path through vLLM's OffloadingManager interface (events on), "
+          f"{args.keys} resident keys, {20 * args.keys} lookups; {args.meta_repeat} interleaved passes, "
+          f"medians (min–max)\n")
     print(f"| {'operation':<32} | {'vLLM CPUOffloadingManager /s':>30} | {'kvtier manager /s':>30} | "
           f"{'kvtier / vLLM':>13} |")
     print(f"|{'-' * 34}|{'-' * 31}:|{'-' * 31}:|{'-' * 14}:|")

@@ -92,7 +92,8 @@ class _AdmitAllKeyByKey(AdmitAll):
                           st.lists(st.integers(0, 30), min_size=1, max_size=8)), max_size=40))
 def test_one_pass_store_plans_what_key_by_key_plans(slots: int, group_size: int,
                                                     ops: list[tuple[str, list[int]]]) -> None:
-    """A single LRU tier plans a store of new keys in one pass: plans, index and order are the key-by-key ones."""
+    """A single LRU tier plans a store of new keys in one pass: plans, index and order are the key-by-key
+    ones."""
     keys = make_keys(31)
     one_pass = Residency([TierIndex("t0", {0: slots * 10 + 5}, {0: 10}, "lru")],
                          PlacementPolicy([AdmitAll()]))

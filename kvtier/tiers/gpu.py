@@ -132,7 +132,8 @@ class EngineKV:
                  transfer: TransferChoice = TransferChoice()) -> None:
         cuda.require_cuda()
         self.detected: DetectedKVLayout = detect_kv_layout(kv_caches, block_size=block_size,
-                                                           num_kv_heads=num_kv_heads, head_dim=head_dim, hint=hint)
+                                                           num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                                           hint=hint)
         self.layers = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
         self.device = self.layers[0].device
         if self.device.type != "cuda":
@@ -201,7 +202,8 @@ class EngineKV:
             return
         assert self.detected.per_layer is not None
         if to_engine:
-            cuda.unpack_blocks(slots, self.layers, ids, self.detected.per_layer, self.block, stream=self.stream)
+            cuda.unpack_blocks(slots, self.layers, ids, self.detected.per_layer, self.block,
+                               stream=self.stream)
         else:
             cuda.pack_blocks(self.layers, ids, self.detected.per_layer, self.block, slots, stream=self.stream)
 
@@ -231,7 +233,8 @@ class EngineKV:
                     for kv in range(g.kv_factor):
                         engine.append(layer_ptr + b * g.engine_block_stride + kv * g.engine_kv_stride)
                         cross.append(slot_ptr + (layer_index * g.kv_factor + kv) * size)
-        runs = copy_engine.coalesce(engine, cross, size) if to_engine else copy_engine.coalesce(cross, engine, size)
+        runs = (copy_engine.coalesce(engine, cross, size) if to_engine
+                else copy_engine.coalesce(cross, engine, size))
         copy_engine.memcpy_async(runs, self.device, self.stream)
 
 

