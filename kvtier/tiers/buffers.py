@@ -30,9 +30,11 @@ def as_rows(buffers: Sequence[torch.Tensor]) -> torch.Tensor | None:
     first = buffers[0]
     n, size = len(buffers), first.numel()
     base = first.data_ptr()
-    for i, buf in enumerate(buffers):
-        if buf.numel() != size or buf.data_ptr() != base + i * size or buf.device != first.device:
-            return None
+    # the view below is built over ``first``'s storage: rows at the buffers' addresses are the buffers
+    if [buf.data_ptr() for buf in buffers] != list(range(base, base + n * size, size)) or size == 0:
+        return None
+    if any(buf.numel() != size for buf in buffers):
+        return None
     storage = first.untyped_storage()
     offset = first.storage_offset()
     if offset + n * size > storage.nbytes():
