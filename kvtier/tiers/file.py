@@ -31,6 +31,9 @@ against other stores):
   reads go straight into the caller's buffer, whatever its alignment. ``direct_reads=True`` gives
   page-cache-free reads (worth it when host memory belongs to the CPU tier); the benchmark reports
   warm and cold reads separately so neither number stands in for the other.
+- A buffered read first asks for the page cache alone (``preadv`` with ``RWF_NOWAIT``). A block that
+  is not all there gets ``posix_fadvise(WILLNEED)`` and is read once the thread's other blocks are
+  done, so the reads of a cold batch reach the disk together instead of ``io_threads`` at a time.
 
 Failure behaviour (see :mod:`kvtier.tiers.base`): an I/O fault on put is a ``False`` for that block (its
 temporary file and any older version removed, counted as ``enospc`` or ``io``); a missing file is a
