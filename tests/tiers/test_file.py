@@ -241,6 +241,53 @@ def test_cold_blocks_are_put_off_and_read_after_the_cached_ones(tmp_path: Path,
     run(tier.close())
 
 
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT on this platform")
+def test_a_cancelled_get_reads_none_of_its_put_off_blocks(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled while reading the cold blocks it put off: no further block is read, and once the
+    cancellation has returned no thread writes into the caller's buffers."""
+    tier = make_tier(tmp_path, io_threads=2)  # O_DIRECT writes: every block is cold on the first get
+    n = 20
+    keys = [key(i) for i in range(n)]
+    assert run(tier.put(keys, [random_block(0, i) for i in range(n)])) == [True] * n
+    drop_from_page_cache(tier, keys)
+    started = threading.Event()
+    release = threading.Event()
+    waited: list[int] = []
+    real_preadv = os.preadv
+
+    def nowait_fails(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        if flags and flags[0] & os.RWF_NOWAIT:
+            raise BlockingIOError(errno.EAGAIN, "not cached")  # every block is put off
+        waited.append(fd)
+        started.set()
+        release.wait(10)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", nowait_fails)
+    out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
+
+    async def cancel_in_the_second_pass() -> None:
+        task = asyncio.ensure_future(tier.get(keys, out))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(cancel_in_the_second_pass())
+    read_then = len(waited)
+    snapshot = [o.clone() for o in out]
+    threading.Event().wait(0.2)
+    assert 1 <= read_then <= 2  # one put-off block per thread was being read; none started after
+    assert len(waited) == read_then and all(torch.equal(a, b) for a, b in zip(out, snapshot, strict=True))
+    monkeypatch.setattr(os, "preadv", real_preadv)
+    again = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
+    assert run(tier.get(keys, again)) == [True] * n  # nothing was dropped by the cancelled call
+    run(tier.close())
+
+
 def test_a_filesystem_without_nowait_reads_gets_plain_reads(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     tier = make_tier(tmp_path, io_threads=1)
