@@ -171,11 +171,11 @@ def test_a_cancelled_get_takes_no_further_blocks_and_leaves_buffers_alone(tmp_pa
     reads = []
     real_preadv = os.preadv
 
-    def slow_preadv(fd, buffers, offset):
+    def slow_preadv(fd, buffers, offset, *flags):
         reads.append(offset)
         started.set()
         release.wait(10)
-        return real_preadv(fd, buffers, offset)
+        return real_preadv(fd, buffers, offset, *flags)
 
     monkeypatch.setattr(os, "preadv", slow_preadv)
     out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
@@ -195,6 +195,121 @@ def test_a_cancelled_get_takes_no_further_blocks_and_leaves_buffers_alone(tmp_pa
     threading.Event().wait(0.2)
     assert read_then <= 2  # one block per thread was in flight; none was started after the cancel
     assert len(reads) == read_then and all(torch.equal(a, b) for a, b in zip(out, snapshot, strict=True))
+    run(tier.close())
+
+
+def drop_from_page_cache(tier: FileTier, keys: list[BlockKey]) -> None:
+    for k in keys:
+        fd = os.open(tier.path_of(k), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT on this platform")
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_cold_blocks_are_put_off_and_read_after_the_cached_ones(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                direct_io: bool) -> None:
+    """A read first tries the page cache alone; a block that is not there is read after the rest."""
+    tier = make_tier(tmp_path, io_threads=1, direct_io=direct_io)
+    keys = [key(i) for i in range(6)]
+    blocks = [random_block(0, i) for i in range(6)]
+    assert run(tier.put(keys, blocks)) == [True] * 6
+    warm_up = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
+    assert run(tier.get(keys, warm_up)) == [True] * 6  # all in the page cache (O_DIRECT writes skip it)
+    cold = keys[::2]
+    drop_from_page_cache(tier, cold)
+    real_preadv = os.preadv
+    calls: list[tuple[str, bool]] = []
+
+    def spy(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), bool(flags and flags[0] & os.RWF_NOWAIT)))
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
+    assert run(tier.get(keys, out)) == [True] * 6
+    assert all(torch.equal(a, b) for a, b in zip(out, blocks, strict=True))
+    assert all(nowait for _, nowait in calls[:6])  # one page-cache-only attempt per block, in order
+    waited = [path for path, nowait in calls[6:] if not nowait]
+    if waited:  # (a cold block the kernel read ahead in time is served by its first attempt)
+        assert set(waited) <= {str(tier.path_of(k)) for k in cold}
+    assert tier.counters.errors == {}
+    run(tier.close())
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT on this platform")
+def test_a_cancelled_get_reads_none_of_its_put_off_blocks(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled while reading the cold blocks it put off: no further block is read, and once the
+    cancellation has returned no thread writes into the caller's buffers."""
+    tier = make_tier(tmp_path, io_threads=2)  # O_DIRECT writes: every block is cold on the first get
+    n = 20
+    keys = [key(i) for i in range(n)]
+    assert run(tier.put(keys, [random_block(0, i) for i in range(n)])) == [True] * n
+    drop_from_page_cache(tier, keys)
+    started = threading.Event()
+    release = threading.Event()
+    waited: list[int] = []
+    real_preadv = os.preadv
+
+    def nowait_fails(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        if flags and flags[0] & os.RWF_NOWAIT:
+            raise BlockingIOError(errno.EAGAIN, "not cached")  # every block is put off
+        waited.append(fd)
+        started.set()
+        release.wait(10)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", nowait_fails)
+    out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
+
+    async def cancel_in_the_second_pass() -> None:
+        task = asyncio.ensure_future(tier.get(keys, out))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(cancel_in_the_second_pass())
+    read_then = len(waited)
+    snapshot = [o.clone() for o in out]
+    threading.Event().wait(0.2)
+    assert 1 <= read_then <= 2  # one put-off block per thread was being read; none started after
+    assert len(waited) == read_then and all(torch.equal(a, b) for a, b in zip(out, snapshot, strict=True))
+    monkeypatch.setattr(os, "preadv", real_preadv)
+    again = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
+    assert run(tier.get(keys, again)) == [True] * n  # nothing was dropped by the cancelled call
+    run(tier.close())
+
+
+def test_a_filesystem_without_nowait_reads_gets_plain_reads(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier(tmp_path, io_threads=1)
+    keys = [key(i) for i in range(4)]
+    blocks = [random_block(0, i) for i in range(4)]
+    assert run(tier.put(keys, blocks)) == [True] * 4
+    real_preadv = os.preadv
+    flagged = []
+
+    def refusing(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        if flags and flags[0]:
+            flagged.append(flags[0])
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", refusing)
+    for _ in range(2):
+        out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
+        assert run(tier.get(keys, out)) == [True] * 4
+        assert all(torch.equal(a, b) for a, b in zip(out, blocks, strict=True))
+    assert len(flagged) <= 1  # refused once, then never asked again
+    assert tier.counters.errors == {}
     run(tier.close())
 
 
@@ -328,7 +443,7 @@ def test_eio_on_read_is_a_miss_and_keeps_the_file(tmp_path: Path, monkeypatch: p
     assert all(run(tier.put([k], [random_block(0, 9)])))
     real_preadv = os.preadv
 
-    def failing(fd, buffers, offset):
+    def failing(fd, buffers, offset, *flags):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "preadv", failing)
