@@ -46,8 +46,12 @@ from kvtier.replay import (  # noqa: E402
 
 CAPACITIES = ["1%", "2%", "5%", "10%", "25%"]
 COMPARED = ["arc", "sieve", "leaf_lru", "lifetime", DEFAULT_EVICTION]
-#: Least share of the gap (better of LRU/ARC → replay-rules MIN) the default must close, per trace family.
-GAP_TARGETS = {"agentic_sessions": {"1%": 0.30, "2%": 0.30, "5%": 0.30}, "mooncake_conversation": {"1%": 0.20}}
+#: Least share of the gap (better of LRU/ARC → replay-rules MIN) the default must close, per trace
+#: family.
+GAP_TARGETS = {
+    "agentic_sessions": {"1%": 0.30, "2%": 0.30, "5%": 0.30},
+    "mooncake_conversation": {"1%": 0.20},
+}
 
 
 def timed(trace: Trace, policies: list[str], capacity: int, repeats: int) -> dict[str, float]:
@@ -72,10 +76,13 @@ def shown(path: str | Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", default=str(REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"))
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="directory for plot and JSON")
+    parser.add_argument("--trace",
+                        default=str(REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
+                        help="directory for plot and JSON")
     parser.add_argument("--repeats", type=int, default=3, help="replays per policy for the speed check")
-    parser.add_argument("--all", action="store_true", help="every registered policy, not only the compared ones")
+    parser.add_argument("--all", action="store_true",
+                        help="every registered policy, not only the compared ones")
     parser.add_argument("--no-synthetic", action="store_true", help="skip the synthetic workloads")
     args = parser.parse_args()
     console = Console(width=180)
@@ -94,13 +101,15 @@ def main() -> int:
 
     targets = GAP_TARGETS.get(Path(args.trace).stem, {})
     checks = Table(title="targets (prefix-hit token ratio)", title_justify="left")
-    for column in ("capacity", "best of LRU/ARC/SIEVE/leaf_lru", "default", "MIN (replay rules)", "Belady (bypass)",
-                   "default ≥ best − 0.002", "gap to min closed (from)", "LRU refs/s", "default/LRU cost"):
+    for column in ("capacity", "best of LRU/ARC/SIEVE/leaf_lru", "default", "MIN (replay rules)",
+                   "Belady (bypass)", "default ≥ best − 0.002", "gap to min closed (from)", "LRU refs/s",
+                   "default/LRU cost"):
         checks.add_column(column, justify="right")
     ok = True
     for label, capacity in zip(CAPACITIES, capacities, strict=True):
         default, ceiling, bypass = (pick(p, capacity) for p in (DEFAULT_EVICTION, "min", "belady"))
-        best = max((pick(p, capacity) for p in ("lru", "arc", "sieve", "leaf_lru")), key=lambda r: r.prefix_hit_ratio)
+        best = max((pick(p, capacity) for p in ("lru", "arc", "sieve", "leaf_lru")),
+                   key=lambda r: r.prefix_hit_ratio)
         base = max((pick(p, capacity) for p in ("lru", "arc")), key=lambda r: r.prefix_hit_ratio)
         share = gap_closed(default, base, ceiling)
         costs = timed(trace, ["lru", DEFAULT_EVICTION], capacity, args.repeats)
@@ -112,14 +121,16 @@ def main() -> int:
         ok &= holds and closes and fast
         checks.add_row(
             label, f"{best.prefix_hit_ratio:.4f} ({best.policy})", f"{default.prefix_hit_ratio:.4f}",
-            f"{ceiling.prefix_hit_ratio:.4f}", f"{bypass.prefix_hit_ratio:.4f}", "yes" if holds else "[red]NO[/red]",
+            f"{ceiling.prefix_hit_ratio:.4f}", f"{bypass.prefix_hit_ratio:.4f}",
+            "yes" if holds else "[red]NO[/red]",
             ("-" if share is None else f"{share:.0%} ({base.policy})")
             + ("" if closes else f" [red](target {want:.0%})[/red]"),
             f"{1 / lru_cost / 1000:.0f}k", f"{default_cost / lru_cost:.2f}×")
     console.print(checks)
     load = os.getloadavg()[0]
-    console.print(f"(costs are the best CPU time of {args.repeats} interleaved replays, so other processes on the "
-                  f"machine matter less; load average {load:.1f} on {os.cpu_count()} CPUs)\n")
+    console.print(f"(costs are the best CPU time of {args.repeats} interleaved replays, so other "
+                  f"processes on the machine matter less; load average {load:.1f} on {os.cpu_count()} "
+                  f"CPUs)\n")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -41,16 +41,17 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     policies = sorted(EVICTION_POLICIES)
     p = subparsers.add_parser(
         "replay", help="replay a request trace through eviction and placement policies (no bytes moved)",
-        description="Replay a Mooncake or generic JSONL trace through the cache's own residency, eviction and "
-                    "placement objects, metadata only. LRU and Belady's MIN are always replayed beside the "
-                    "policies asked for.")
+        description="Replay a Mooncake or generic JSONL trace through the cache's own residency, "
+                    "eviction and placement objects, metadata only. LRU and Belady's MIN are always "
+                    "replayed beside the policies asked for.")
     p.add_argument("trace", help="JSONL trace (Mooncake's hash_ids lines, or kvtier's generic format)")
     p.add_argument("--format", choices=["auto", "mooncake", "generic"], default="auto")
     p.add_argument("--block-tokens", type=int, default=None,
                    help="tokens per block id (default: 512 for Mooncake, the header's or 16 for generic)")
     p.add_argument("--capacity", nargs="+", default=None, metavar="CAP",
                    help="single-tier capacities: block counts or %% of the trace's distinct blocks "
-                        f"(default: {' '.join(DEFAULT_CAPACITIES).replace('%', '%%')} unless --tiers is given)")
+                        f"(default: {' '.join(DEFAULT_CAPACITIES).replace('%', '%%')} "
+                        "unless --tiers is given)")
     p.add_argument("--tiers", nargs="+", default=[], metavar="CAP,CAP[,...]",
                    help="multi-tier capacities, top tier first (e.g. 1%%,10%%); each value is one hierarchy")
     p.add_argument("--policy", nargs="+", default=["default"], metavar="NAME",
@@ -58,19 +59,23 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"lru and the ceilings min and belady are always added")
     p.add_argument("--write-mode", choices=["write_back", "write_through"], default="write_back",
                    help="multi-tier: demote on eviction (write_back) or write every tier (write_through)")
-    p.add_argument("--no-promote", action="store_true", help="multi-tier: leave lower-tier hits where they are")
+    p.add_argument("--no-promote", action="store_true",
+                   help="multi-tier: leave lower-tier hits where they are")
     p.add_argument("--promote-to", type=int, default=0, help="multi-tier: tier index hits are promoted to")
     p.add_argument("--exclusive", action="store_true",
                    help="multi-tier: delete the lower copy of a promoted block (default: keep it)")
     p.add_argument("--admission", default=None, metavar="NAME[,NAME...]",
                    help=f"multi-tier: admission per tier ({', '.join(ADMISSION_POLICIES)}); "
                         "one name applies to every tier below the top")
-    p.add_argument("--admission-history", type=int, default=65536, help="keys remembered by admission filters")
+    p.add_argument("--admission-history", type=int, default=65536,
+                   help="keys remembered by admission filters")
     p.add_argument("--bytes-per-token", type=int, default=DEFAULT_BYTES_PER_TOKEN,
                    help="KV bytes per token for the bytes columns (default: Llama-3-8B bf16, 128 KiB)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--no-min", action="store_true", help="skip the ceilings min and belady (MIN is the slowest run)")
-    p.add_argument("--plot", metavar="FILE", help="draw hit ratio against capacity per policy (PNG, SVG, PDF)")
+    p.add_argument("--no-min", action="store_true",
+                   help="skip the ceilings min and belady (MIN is the slowest run)")
+    p.add_argument("--plot", metavar="FILE",
+                   help="draw hit ratio against capacity per policy (PNG, SVG, PDF)")
     p.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_replay)
@@ -88,8 +93,8 @@ def _placement_factory(args: argparse.Namespace) -> Any:
         elif len(names) == num_tiers:
             per_tier = names
         else:
-            raise KVTierConfigError("--admission", f"{len(names)} names for {num_tiers} tiers; give one, or one "
-                                                   f"per tier")
+            raise KVTierConfigError("--admission", f"{len(names)} names for {num_tiers} tiers; "
+                                                   "give one, or one per tier")
         admissions = []
         for i, name in enumerate(per_tier):
             try:
@@ -101,7 +106,8 @@ def _placement_factory(args: argparse.Namespace) -> Any:
                                    promote_on_hit=not args.no_promote, promote_to=args.promote_to,
                                    keep_lower_copy=not args.exclusive)
         except ValueError as exc:
-            raise KVTierConfigError("--promote-to" if "promote_to" in str(exc) else "--write-mode", str(exc)) from None
+            flag = "--promote-to" if "promote_to" in str(exc) else "--write-mode"
+            raise KVTierConfigError(flag, str(exc)) from None
 
     return build
 
@@ -117,7 +123,8 @@ def run_replay(args: argparse.Namespace) -> int:
             return 2
     for name in args.policy:
         if name not in EVICTION_POLICIES and name not in ("default", *CEILINGS):
-            err.print(f"[red]unknown policy[/red] {escape(repr(name))}; known: {', '.join(sorted(EVICTION_POLICIES))}, default", soft_wrap=True)
+            err.print(f"[red]unknown policy[/red] {escape(repr(name))}; "
+                      f"known: {', '.join(sorted(EVICTION_POLICIES))}, default", soft_wrap=True)
             return 2
     try:
         trace = read_trace(args.trace, format=args.format, block_tokens=args.block_tokens, limit=args.limit)

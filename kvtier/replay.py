@@ -317,14 +317,14 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
 
     ``policy`` is an eviction policy name (``default`` = :data:`DEFAULT_EVICTION`) used in every
     tier, ``min`` for Belady's MIN under these rules or ``belady`` for Belady with bypass (both one
-    tier only; ``future`` may pass :func:`next_uses` to save recomputing it). ``placement`` defaults to write-back, admit-all, promote-to-top.
-    ``make_policy`` builds each tier's policy object instead of the factory (to inspect it after;
-    ``policy`` is then only its label). ``progress`` is called with the number of block references
-    done so far, every few hundred
-    requests. Per request, as the cache does it: the leading cached blocks are hits (touched, and
-    promoted per the placement); the remaining blocks are stored (those still cached somewhere
-    only touched); every planned write and demotion then succeeds. A block *hit* is a block cached
-    (in any tier) when its request arrives; a *prefix hit* also needs every block before it cached.
+    tier only; ``future`` may pass :func:`next_uses` to save recomputing it). ``placement`` defaults
+    to write-back, admit-all, promote-to-top. ``make_policy`` builds each tier's policy object
+    instead of the factory (to inspect it after; ``policy`` is then only its label). ``progress`` is
+    called with the number of block references done so far, every few hundred requests. Per
+    request, as the cache does it: the leading cached blocks are hits (touched, and promoted per the
+    placement); the remaining blocks are stored (those still cached somewhere only touched); every
+    planned write and demotion then succeeds. A block *hit* is a block cached (in any tier) when its
+    request arrives; a *prefix hit* also needs every block before it cached.
     """
     if policy == "default":
         policy = DEFAULT_EVICTION
@@ -460,7 +460,8 @@ def _execute(plan: Any, keys: Sequence[BlockKey], tiers: list[TierResult],
 
 
 def chain_hints(keys: Sequence[BlockKey], start: int, stop: int) -> list[InsertHint]:
-    """Insert hints for ``keys[start:stop]`` of one request: position, and the previous block as predecessor."""
+    """Insert hints for ``keys[start:stop]`` of one request: position, and the previous block as
+    predecessor."""
     return [InsertHint(j, -1, keys[j - 1] if j else None) for j in range(start, stop)]
 
 
@@ -598,7 +599,8 @@ def run_all(trace: Trace, runs: Sequence[RunSpec], placement: Callable[[int], Pl
 
 def _baselines(results: Sequence[ReplayResult], result: ReplayResult) -> tuple[ReplayResult | None,
                                                                                ReplayResult | None]:
-    """The better of LRU/ARC with ``result``'s tier capacities, and MIN (replay rules) at its total capacity."""
+    """The better of LRU/ARC with ``result``'s tier capacities, and MIN (replay rules) at its total
+    capacity."""
     best = ceiling = None
     for r in results:
         if r.policy == MIN_POLICY and r.capacities == [result.total_capacity]:
@@ -634,7 +636,8 @@ def results_table(trace: Trace, results: Sequence[ReplayResult]) -> Any:
     from rich.table import Table
 
     multi = any(len(r.capacities) > 1 for r in results)
-    table = Table(title=f"{escape(trace.name)}: {len(trace.requests):,} requests, {trace.references:,} block references, "
+    table = Table(title=f"{escape(trace.name)}: {len(trace.requests):,} requests, "
+                        f"{trace.references:,} block references, "
                         f"{trace.distinct_blocks:,} distinct blocks of {trace.block_tokens} tokens",
                   title_justify="left")
     table.add_column("capacity (blocks)", justify="right")
@@ -699,7 +702,8 @@ def check_plot_target(path: str | Path) -> None:
         raise ValueError(f"{str(out)!r} is a directory; give a file name such as {str(out / 'replay.png')!r}")
     suffix = out.suffix.lstrip(".").lower()
     if suffix not in formats:
-        raise ValueError(f"{str(out)!r}: {'no file extension' if not suffix else f'.{suffix} is not a format matplotlib writes'}; "
+        problem = "no file extension" if not suffix else f".{suffix} is not a format matplotlib writes"
+        raise ValueError(f"{str(out)!r}: {problem}; "
                          f"use .png, .svg or .pdf (or one of {', '.join(sorted(formats))})")
     folder = out.parent
     while not folder.exists() and folder != folder.parent:

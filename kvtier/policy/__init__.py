@@ -48,6 +48,6 @@ def make_eviction_policy(name: str) -> EvictionPolicy:
     return factory()
 
 
-__all__ = ["DEFAULT_EVICTION", "EVICTION_POLICIES", "ARCPolicy", "AdaptiveChainPolicy", "EvictionPolicy", "InsertHint",
-           "LRUPolicy", "LeafLRUPolicy", "LearnedLifetimePolicy", "PrefixAwarePolicy", "SievePolicy", "WTinyLFUPolicy",
-           "make_eviction_policy"]
+__all__ = ["DEFAULT_EVICTION", "EVICTION_POLICIES", "ARCPolicy", "AdaptiveChainPolicy", "EvictionPolicy",
+           "InsertHint", "LRUPolicy", "LeafLRUPolicy", "LearnedLifetimePolicy", "PrefixAwarePolicy",
+           "SievePolicy", "WTinyLFUPolicy", "make_eviction_policy"]

@@ -24,7 +24,8 @@ def _last_reference(front: tuple[int, BlockKey, int]) -> int:
 
 
 class AdaptiveChainPolicy(LearnedLifetimePolicy):
-    """Leaf-first eviction by learned per-class lifetimes, or by recency where they gain nothing (module docstring).
+    """Leaf-first eviction by learned per-class lifetimes, or by recency where they gain nothing
+    (module docstring).
 
     ``capacity`` (blocks) as for :class:`LearnedLifetimePolicy`; without it, the most blocks held.
     """
@@ -206,7 +207,8 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             else:
                 if best is not None:
                     return [best]
-        if self._detached and take_unpinned(sorted(self._detached, key=self._detached.__getitem__), pinned, count, out):
+        if self._detached and take_unpinned(sorted(self._detached, key=self._detached.__getitem__),
+                                            pinned, count, out):
             return out
         skip: Container[BlockKey] = pinned
         while len(out) < count:

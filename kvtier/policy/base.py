@@ -70,7 +70,8 @@ class EvictionPolicy(ABC):
         """A lookup for a key this partition does not hold (ghost-list policies learn from it)."""
 
 
-def take_unpinned(order: Iterable[BlockKey], pinned: Container[BlockKey], count: int, out: list[BlockKey]) -> bool:
+def take_unpinned(order: Iterable[BlockKey], pinned: Container[BlockKey], count: int,
+                  out: list[BlockKey]) -> bool:
     """Append the keys of ``order`` that are not pinned to ``out`` until it holds ``count``; True once full.
 
     The walk every policy's :meth:`EvictionPolicy.victims` ends in, over its own eviction order."""

@@ -256,7 +256,8 @@ class LearnedLifetimePolicy(EvictionPolicy):
                 key = next(iter(lane))
                 # LRU: still the oldest while older than every other class's oldest was (those only
                 # get younger). Learned: the class chosen stays the choice for a few references.
-                if key not in pinned and (now < self._lane_until if self._learned else lane[key] <= self._lane_until):
+                if key not in pinned and (now < self._lane_until if self._learned
+                                          else lane[key] <= self._lane_until):
                     return [key]
             best: BlockKey | None = None
             best_score = runner_up = -1.0

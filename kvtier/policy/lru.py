@@ -32,7 +32,8 @@ class LRUPolicy(EvictionPolicy):
         self._order.pop(key, None)
 
     def insert_new(self, keys: Iterable[BlockKey]) -> None:
-        """:meth:`insert` of keys not tracked yet, in order, in one call (a scheduler's batched store plan)."""
+        """:meth:`insert` of keys not tracked yet, in order, in one call (a scheduler's batched
+        store plan)."""
         self._order.update(dict.fromkeys(keys))
 
     def remove_all(self, keys: Iterable[BlockKey]) -> None:

@@ -33,7 +33,8 @@ class PlacementPolicy:
         if self.write_mode not in ("write_back", "write_through"):
             raise ValueError(f"write_mode must be 'write_back' or 'write_through', got {self.write_mode!r}")
         if self.admission and not 0 <= self.promote_to < len(self.admission):
-            raise ValueError(f"promote_to={self.promote_to} is not a tier index (0..{len(self.admission) - 1})")
+            raise ValueError(f"promote_to={self.promote_to} is not a tier index "
+                             f"(0..{len(self.admission) - 1})")
 
     @property
     def num_tiers(self) -> int:

@@ -203,7 +203,8 @@ class RefPrefix:
 class RefTinyLFU:
     """W-TinyLFU with exact counts (capped at 15, halved every ``horizon`` increments) and lists."""
 
-    def __init__(self, capacity: int, window: float = 0.01, protected: float = 0.8, sample_factor: int = 10) -> None:
+    def __init__(self, capacity: int, window: float = 0.01, protected: float = 0.8,
+                 sample_factor: int = 10) -> None:
         self.window_max = max(1, round(capacity * window))
         self.protected_max = int((capacity - self.window_max) * protected)
         self.horizon = max(1024, sample_factor * capacity)
@@ -261,7 +262,8 @@ class RefTinyLFU:
         contests = max(0, len(self.window) + count - self.window_max)
         out: list[BlockKey] = []
         while len(out) < count and ((window and contests) or main):
-            if window and contests and (not main or self.counts.get(window[0], 0) <= self.counts.get(main[0], 0)):
+            if window and contests and (not main
+                                        or self.counts.get(window[0], 0) <= self.counts.get(main[0], 0)):
                 out.append(window.pop(0))
                 contests -= 1
             else:

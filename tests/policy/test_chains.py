@@ -40,8 +40,8 @@ def _links(kind: str, a: int, b: int, cyclic: bool) -> list[tuple[BlockKey, Bloc
     return [(KEYS[a], KEYS[b])]
 
 
-def drive_chains(policy: object, reference: RefLeafLRU | None, capacity: int, steps: list[tuple[str, int, int]],
-                 cyclic: bool = False) -> None:
+def drive_chains(policy: object, reference: RefLeafLRU | None, capacity: int,
+                 steps: list[tuple[str, int, int]], cyclic: bool = False) -> None:
     """Replay-like driving: a request touches its cached blocks and stores the rest, the blocks
     being stored pinned while room is made; every victims answer must equal the reference's (or,
     without one, keep the interface's promises)."""
@@ -108,8 +108,10 @@ def test_leaf_lru_matches_brute_force_reference(steps: list[tuple[str, int, int]
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(request, min_size=20, max_size=200), st.integers(2, 12), st.sampled_from(["leaf_lru", "adaptive"]))
-def test_cycles_and_strangers_keep_every_promise(steps: list[tuple[str, int, int]], capacity: int, name: str) -> None:
+@given(st.lists(request, min_size=20, max_size=200), st.integers(2, 12),
+       st.sampled_from(["leaf_lru", "adaptive"]))
+def test_cycles_and_strangers_keep_every_promise(steps: list[tuple[str, int, int]], capacity: int,
+                                                 name: str) -> None:
     drive_chains(make_eviction_policy(name), None, capacity, steps, cyclic=True)
 
 

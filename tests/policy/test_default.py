@@ -12,7 +12,8 @@ from tests.policy.workloads import scan_hot, sessions, standard_workloads
 WORKLOADS = standard_workloads()
 
 
-@pytest.mark.parametrize(("trace", "capacities"), WORKLOADS, ids=[f"{t.name}-{i}" for i, (t, _) in enumerate(WORKLOADS)])
+@pytest.mark.parametrize(("trace", "capacities"), WORKLOADS,
+                         ids=[f"{t.name}-{i}" for i, (t, _) in enumerate(WORKLOADS)])
 def test_default_is_within_a_hundredth_of_lru_or_better(trace: Trace, capacities: list[int]) -> None:
     for capacity in capacities:
         lru = replay(trace, "lru", [capacity])

@@ -116,7 +116,8 @@ def test_lifetime_is_lru_until_it_has_learned(steps: list[tuple[str, int, int]],
 @pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
 @settings(max_examples=40, deadline=None)
 @given(steps=steps_strategy)
-def test_victims_are_resident_distinct_unpinned_and_enough(name: str, steps: list[tuple[str, int, int]]) -> None:
+def test_victims_are_resident_distinct_unpinned_and_enough(name: str,
+                                                           steps: list[tuple[str, int, int]]) -> None:
     policy = make_eviction_policy(name)
     resident: set[BlockKey] = set()
     capacity = 8

@@ -57,7 +57,8 @@ def scan_hot(hot: int, refs: int, scan_length: int, scan_every: int, seed: int =
 def shifting(working_set: int, refs: int, phase: int, seed: int = 0) -> Trace:
     """Uniform references to a working set that is replaced every ``phase`` references."""
     rnd = random.Random(seed)
-    return _trace("shifting", [[(i // phase) * working_set + rnd.randrange(working_set)] for i in range(refs)])
+    return _trace("shifting",
+                  [[(i // phase) * working_set + rnd.randrange(working_set)] for i in range(refs)])
 
 
 def chat(refs: int, seed: int = 0, *, p_continue: float = 0.6, think: tuple[int, int] = (50, 400),
@@ -86,7 +87,8 @@ def chat(refs: int, seed: int = 0, *, p_continue: float = 0.6, think: tuple[int,
         tokens.append(count)
         total += len(blocks)
         if rnd.random() < p_continue:
-            heapq.heappush(waiting, (r + rnd.randint(*think), rnd.random(), blocks, count + rnd.randint(20, 400)))
+            heapq.heappush(waiting,
+                           (r + rnd.randint(*think), rnd.random(), blocks, count + rnd.randint(20, 400)))
     return _trace("chat", chains, tokens)
 
 
