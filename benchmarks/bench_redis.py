@@ -1,6 +1,7 @@
 """Redis tier throughput next to raw redis-py and redis-benchmark, measured in the same run.
 
-    python benchmarks/bench_redis.py [--url redis://127.0.0.1:6379] [--block-kib 256,2048] [--mib 512] [--batch 32]
+    python benchmarks/bench_redis.py [--url redis://127.0.0.1:6379] [--block-kib 256,2048]
+                                     [--mib 512] [--batch 32]
 
 For each block size (``--block-kib``, default ``256,2048``: 2 MiB is a Llama-3-8B-like cross-layer
 block, 32 layers × K/V × 16 tokens × 8 heads × 128, 2-byte dtype; 256 KiB its tensor-parallel-8 shard,
@@ -77,7 +78,8 @@ def kv_layouts(block_kib: int) -> dict[str, BlockLayout]:
     if block_kib % 256:
         raise SystemExit(f"--block-kib {block_kib}: use a multiple of 256 (one KV head of 128 dims)")
     return {name: BlockLayout(num_layers=32, num_kv_heads=block_kib // 256, head_dim=128, block_size=16,
-                              dtype=dtype) for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))}
+                              dtype=dtype)
+            for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))}
 
 
 def kv_blocks(dtype: torch.dtype, count: int, nbytes: int) -> list[torch.Tensor]:
@@ -98,8 +100,8 @@ async def rate(fn: Callable[[], Awaitable[None]], nbytes: int) -> float:
 class TierClient:
     """The Redis tier: put all blocks, get them back into tensors, check them, delete them."""
 
-    def __init__(self, url: str, data: str, layout: BlockLayout, blocks: list[torch.Tensor], keys: list[BlockKey],
-                 batch: int, compression: Compression) -> None:
+    def __init__(self, url: str, data: str, layout: BlockLayout, blocks: list[torch.Tensor],
+                 keys: list[BlockKey], batch: int, compression: Compression) -> None:
         self.block_bytes = layout.nbytes
         self.row = Row(f"RedisTier compression={compression}", f"{data} randn")
         self.tier = RedisTier("bench", {0: layout}, namespace=NAMESPACE, url=url, compression=compression)
@@ -126,7 +128,8 @@ class TierClient:
         self.row.get.append(await rate(get_all, total))
         if not all(torch.equal(a, b) for a, b in zip(self.blocks, self.out, strict=True)):
             raise RuntimeError("the tier returned different bytes")
-        self.row.stored_ratio = self.tier.counters.bytes_written / self.tier.counters.blocks_written / self.block_bytes
+        self.row.stored_ratio = (self.tier.counters.bytes_written / self.tier.counters.blocks_written
+                                 / self.block_bytes)
 
     async def close(self) -> None:
         await self.tier.close()
@@ -218,7 +221,8 @@ class GlideClient:
 
         async def get_all() -> None:
             for r in self.groups:
-                got = await asyncio.to_thread(self._run, lambda i: client.get(keys[i], buffer=self.out_views[i]), r)
+                got = await asyncio.to_thread(
+                    self._run, lambda i: client.get(keys[i], buffer=self.out_views[i]), r)
                 if any(g is None for g in got):
                     raise RuntimeError("valkey-glide GET missed")
 
@@ -240,8 +244,9 @@ class RedisBenchmarkClient:
         parts = urlsplit(url)
         self.block_bytes = block_bytes
         self.row = Row("redis-benchmark -c 4 (C, hiredis)", f"'x' × {block_bytes >> 10} KiB")
-        self.cmd = [binary, "-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379), "-t", "set,get",
-                    "-d", str(block_bytes), "-n", str(requests), "-c", "4", "-P", "1", "-r", "64", "--csv"]
+        self.cmd = [binary, "-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379),
+                    "-t", "set,get", "-d", str(block_bytes), "-n", str(requests), "-c", "4", "-P", "1",
+                    "-r", "64", "--csv"]
         if parts.password:
             self.cmd += ["-a", parts.password]
 
@@ -267,11 +272,13 @@ def print_table(rows: list[Row], args: argparse.Namespace, blocks: int, block_by
         print(f"| {row.client:38s} | {row.data:14s} | {Row.cell(row.put):18s} | {Row.cell(row.get):18s} | "
               f"{ratio:>10s} |")
     raw = [r for r in rows if r.client.startswith(("redis-py", "valkey-glide"))]
-    tier = next((r for r in rows if r.client == "RedisTier compression=none" and r.data == "fp16 randn"), None)
+    tier = next((r for r in rows
+                 if r.client == "RedisTier compression=none" and r.data == "fp16 randn"), None)
     if raw and tier is not None:
         best_put = max(statistics.median(r.put) for r in raw)
         best_get = max(statistics.median(r.get) for r in raw)
-        print(f"\nRedisTier (no lz4, fp16) / best library row (redis-py, valkey-glide): put ×{statistics.median(tier.put) / best_put:.2f}, "
+        print("\nRedisTier (no lz4, fp16) / best library row (redis-py, valkey-glide): "
+              f"put ×{statistics.median(tier.put) / best_put:.2f}, "
               f"get ×{statistics.median(tier.get) / best_get:.2f}")
     print(f"\n{blocks} blocks of {block_bytes >> 10} KiB in batches of {args.batch}; median of {args.repeat} "
           f"interleaved passes (min–max); GB/s = raw block bytes / wall time.")
@@ -337,10 +344,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--block-kib", default="256,2048",
-                        help="block sizes in KiB (multiples of 256), comma separated; one table each (default 256,2048)")
+                        help="block sizes in KiB (multiples of 256), comma separated; "
+                             "one table each (default 256,2048)")
     parser.add_argument("--mib", type=int, default=512, help="MiB of blocks per pass (default 512)")
     parser.add_argument("--batch", type=int, default=32, help="blocks per put/get call")
-    parser.add_argument("--repeat", type=int, default=5, help="interleaved passes; the table shows the median")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="interleaved passes; the table shows the median")
     parser.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark row")
     parser.add_argument("--no-glide", action="store_true", help="skip the valkey-glide row")
     asyncio.run(main(parser.parse_args()))

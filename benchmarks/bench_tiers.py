@@ -83,7 +83,8 @@ def _fmt(gbps: float | None) -> str:
 
 
 def print_table(rows: list[Row]) -> None:
-    head = ["operation", "threads", "page cache", "kvtier GB/s", "baseline", "baseline GB/s", "ratio", "target"]
+    head = ["operation", "threads", "page cache", "kvtier GB/s", "baseline", "baseline GB/s", "ratio",
+            "target"]
     table = [head, *(row.cells for row in rows)]
     widths = [max(len(cells[i]) for cells in table) for i in range(len(head))]
     for n, cells in enumerate(table):
@@ -180,7 +181,8 @@ class RawFiles:
             xxhash.xxh3_64_intdigest(self.blocks.out(i).numpy().data)
 
 
-def bench_file(args: argparse.Namespace, layout: BlockLayout, root: Path, rows: list[Row], notes: list[str]) -> None:
+def bench_file(args: argparse.Namespace, layout: BlockLayout, root: Path, rows: list[Row],
+               notes: list[str]) -> None:
     n, threads_n = args.mib * (1 << 20) // layout.nbytes, args.threads
     total = n * layout.nbytes
     blocks = Blocks(n, min(args.batch, n), layout.nbytes)
@@ -326,7 +328,8 @@ def bench_cpu(args: argparse.Namespace, layout: BlockLayout, rows: list[Row]) ->
     asyncio.run(put_all())  # first touch of every page, for the tier and the baseline alike
     copy_in()
     for keys, idx in batches:  # the cache's slab too: filled with other keys, so every timed store evicts
-        assert cache.store([cache_keys[i] for i in idx], [sources[i % len(sources)] for i in idx]) == len(keys)
+        assert cache.store([cache_keys[i] for i in idx],
+                           [sources[i % len(sources)] for i in idx]) == len(keys)
     best = interleaved(args.repeat, {
         "put": lambda: timed(total, lambda: asyncio.run(put_all())),
         "in": lambda: timed(total, copy_in),
@@ -365,10 +368,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-kib", default="256,2048",
                         help="block sizes in KiB, comma separated; one table each (default 256,2048)")
     parser.add_argument("--mib", type=int, default=1024, help="MiB moved per measurement (default 1024)")
-    parser.add_argument("--dir", type=Path, default=None, help="directory on the disk under test (default: ./)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="directory on the disk under test (default: ./)")
     parser.add_argument("--threads", type=int, default=4, help="I/O threads of the pooled runs (default 4)")
     parser.add_argument("--batch", type=int, default=64, help="blocks per put/get call (default 64)")
-    parser.add_argument("--repeat", type=int, default=5, help="runs of each measurement; the best is shown (default 5)")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="runs of each measurement; the best is shown (default 5)")
     args = parser.parse_args(argv)
 
     parent = args.dir or Path.cwd()
@@ -376,7 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=parent))
     layouts = [kv_layout(int(kib)) for kib in args.block_kib.split(",")]
     print(f"$ python {shlex.join(sys.argv)}")
-    print(f"dir {root.parent}: {filesystem_of(root.parent)}; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}; "
+    print(f"dir {root.parent}: {filesystem_of(root.parent)}; {os.cpu_count()} CPUs; "
+          f"load {os.getloadavg()[0]:.2f}; "
           f"python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}")
     try:
         for layout in layouts:

@@ -138,7 +138,8 @@ def decode_header(buf: bytes | bytearray | memoryview, *, expected_key: BlockKey
     if expected_key is not None and key != expected_key:
         raise CorruptBlock(f"header names {key}, expected {expected_key}")
     if expected_layout is not None and layout_fp != expected_layout:
-        raise CorruptBlock(f"layout fingerprint {layout_fp:016x} differs from expected {expected_layout:016x}")
+        raise CorruptBlock(
+            f"layout fingerprint {layout_fp:016x} differs from expected {expected_layout:016x}")
     (namespace_fp,) = _NAMESPACE.unpack_from(view, _NAMESPACE_OFFSET)
     if expected_namespace is not None and namespace_fp != expected_namespace:
         raise CorruptBlock(f"block of another namespace (fingerprint {namespace_fp:016x}, expected "

@@ -59,7 +59,8 @@ class Tier(ABC):
     #: True when :meth:`views` can hand out zero-copy tensors of resident blocks.
     addressable: ClassVar[bool] = False
 
-    def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int]) -> None:
+    def __init__(self, name: str, layouts: Mapping[int, BlockLayout],
+                 capacity_bytes: Mapping[int, int]) -> None:
         self.name = name
         self.layouts = dict(layouts)
         self.capacity_bytes = dict(capacity_bytes)
@@ -145,7 +146,8 @@ class Tier(ABC):
             expected = sizes.get(key.group_id)
             if expected is None:
                 expected = sizes[key.group_id] = self.block_bytes(key.group_id)
-            if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != expected or not buf.is_contiguous():
+            if (buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != expected
+                    or not buf.is_contiguous()):
                 raise LayoutMismatch(
                     f"{what}[{i}] must be a contiguous 1-D uint8 tensor of {expected} bytes for group "
                     f"{key.group_id}, got dtype {buf.dtype}, shape {tuple(buf.shape)}")

@@ -64,7 +64,8 @@ class ChainLog:
             records += 1
             pos = stop
         if pos != end:
-            log.warning("chain log %s: %d torn or corrupt bytes after %d records dropped", self.path, end - pos, records)
+            log.warning("chain log %s: %d torn or corrupt bytes after %d records dropped",
+                        self.path, end - pos, records)
         if present is not None:
             links = {k: p for k, p in links.items() if k in present}
         if pos != end or records > 2 * len(links) + 1024:
@@ -74,7 +75,8 @@ class ChainLog:
     def append(self, links: Iterable[tuple[BlockKey, BlockKey]]) -> None:
         """Record links (one write per call); an I/O error is logged, never raised."""
         payload = b"".join(_record(k, p) for k, p in links
-                           if k.group_id == p.group_id and 0 < len(k.block_hash) < 256 and 0 < len(p.block_hash) < 256)
+                           if k.group_id == p.group_id
+                           and 0 < len(k.block_hash) < 256 and 0 < len(p.block_hash) < 256)
         if not payload:
             return
         try:

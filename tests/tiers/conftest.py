@@ -114,7 +114,8 @@ class RedisProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
             [server, "--port", str(self.port), "--bind", REDIS_HOST, "--save", "", "--appendonly", "no",
-             "--daemonize", "no", "--dir", str(self.workdir), "--logfile", str(self.workdir / f"redis-{self.port}.log"),
+             "--daemonize", "no", "--dir", str(self.workdir),
+             "--logfile", str(self.workdir / f"redis-{self.port}.log"),
              *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if wait:
@@ -141,10 +142,14 @@ class RedisProcess:
 
 @pytest.fixture()
 def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisProcess]]:
-    """Start private standalone servers (``factory(port=None, start=True, extra_args=())``); all killed after."""
+    """Start private standalone servers (``factory(port=None, start=True, extra_args=())``).
+
+    All are killed after the test.
+    """
     started: list[RedisProcess] = []
 
-    def factory(port: int | None = None, start: bool = True, extra_args: tuple[str, ...] = ()) -> RedisProcess:
+    def factory(port: int | None = None, start: bool = True,
+                extra_args: tuple[str, ...] = ()) -> RedisProcess:
         _binaries()
         server = RedisProcess(port or free_port(), tmp_path / f"redis-{len(started)}", list(extra_args))
         started.append(server)
@@ -211,10 +216,11 @@ def start_cluster(workdir: Path, masters: int = 3) -> RedisClusterHandle:
         for node in nodes:
             node.wait_ready()
         create = subprocess.run(
-            [cli, "--cluster", "create", *[f"{REDIS_HOST}:{n.port}" for n in nodes], "--cluster-replicas", "0",
-             "--cluster-yes"], capture_output=True, text=True, timeout=60)
+            [cli, "--cluster", "create", *[f"{REDIS_HOST}:{n.port}" for n in nodes],
+             "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
         if create.returncode != 0:
-            raise RuntimeError(f"redis-cli --cluster create failed: {create.stdout[-2000:]} {create.stderr[-2000:]}")
+            raise RuntimeError(
+                f"redis-cli --cluster create failed: {create.stdout[-2000:]} {create.stderr[-2000:]}")
         deadline = time.monotonic() + 20
         while any(_cluster_state(n.port) != "ok" for n in nodes):
             if time.monotonic() > deadline:
@@ -254,9 +260,10 @@ def make_test_certificates(directory: Path) -> tuple[Path, Path, Path]:
     ca_key, ca, key, csr, cert, ext = (directory / n for n in ("ca.key", "ca.crt", "srv.key", "srv.csr",
                                                                "srv.crt", "ext.cnf"))
     ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    for args in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
-                  "-subj", "/CN=kvtier-test-ca"],
-                 ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+    for args in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
+                  "-days", "1", "-subj", "/CN=kvtier-test-ca"],
+                 ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
+                  "-subj", "/CN=127.0.0.1"],
                  ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
                   "-days", "1", "-extfile", ext]):
         subprocess.run([openssl, *map(str, args)], check=True, capture_output=True)

@@ -56,7 +56,8 @@ def new_keys(n: int, group: int = 0) -> list[BlockKey]:
 
 def blocks_for(keys: list[BlockKey], seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (LAYOUTS[k.group_id].nbytes,), dtype=torch.uint8, generator=gen) for k in keys]
+    return [torch.randint(0, 256, (LAYOUTS[k.group_id].nbytes,), dtype=torch.uint8, generator=gen)
+            for k in keys]
 
 
 def usage(tier: Tier, raw_bytes: int) -> int:

@@ -49,7 +49,8 @@ def test_groups_have_separate_slabs() -> None:
     a, b = small_layout(16), small_layout(32)
     tier = CpuTier("cpu", {0: a, 1: b}, {0: a.nbytes, 1: b.nbytes}, pinned=False)
     ka, kb = make_keys(1, 0), make_keys(1, 1)
-    assert asyncio.run(tier.put(ka + kb, rows(random_blocks(1, a)) + rows(random_blocks(1, b)))) == [True, True]
+    assert asyncio.run(
+        tier.put(ka + kb, rows(random_blocks(1, a)) + rows(random_blocks(1, b)))) == [True, True]
     assert sorted(k.group_id for k in tier.keys()) == [0, 1]
 
 

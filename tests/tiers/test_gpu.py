@@ -20,7 +20,7 @@ CUDA = torch.cuda.is_available()
 BLOCK = BlockLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16)  # 32 KiB cross-layer blocks
 
 
-# --- CPU: the choice between kernel and copy engine -----------------------------------------------------------
+# --- CPU: the choice between kernel and copy engine ---------------------------------------------------------
 
 
 def test_auto_sends_small_pieces_to_the_kernel_and_large_ones_to_the_copy_engine() -> None:
@@ -60,7 +60,7 @@ def test_gpu_tier_and_engine_kv_raise_tier_unavailable_without_cuda() -> None:
         EngineKV(layers, block_size=16, num_kv_heads=2, head_dim=64)
 
 
-# --- GPU: engine KV ↔ tier slots -------------------------------------------------------------------------------
+# --- GPU: engine KV ↔ tier slots ----------------------------------------------------------------------------
 
 
 @requires_gpu
@@ -95,11 +95,12 @@ def test_engine_kv_store_load_round_trip_through_pinned_cpu_slots(cross_layer: b
     handle.stream_wait()
     torch.cuda.synchronize()
     fallback.unpack_blocks(expected.flip(0), before, torch.tensor([0, 1, 3]), per_layer, BLOCK)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(layers, before, strict=True))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(layers, before, strict=True))
     asyncio.run(tier.close())
 
 
-# --- GPU: the tier's own put/get ------------------------------------------------------------------------------
+# --- GPU: the tier's own put/get ----------------------------------------------------------------------------
 
 
 class Launches:

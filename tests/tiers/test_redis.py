@@ -158,7 +158,8 @@ def test_wrong_buffers_raise() -> None:
 
 # --- single node ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("compression", ["none", "lz4"])
-def test_round_trip_is_bit_exact(redis_url: str, namespace: str, compression: str, make_tier: MakeTier) -> None:
+def test_round_trip_is_bit_exact(redis_url: str, namespace: str, compression: str,
+                                  make_tier: MakeTier) -> None:
     tier = make_tier("r", {0: SMALL, 1: LARGE}, namespace=namespace, url=redis_url, compression=compression)
     small_keys, large_keys = keys_for(24), keys_for(6, group=1)
     small = kv_like(SMALL, 12) + compressible(SMALL, 12)
@@ -214,7 +215,8 @@ def test_tampered_values_miss_and_are_deleted(redis_url: str, namespace: str, ma
     assert torch.equal(out[3], blocks[3])
 
 
-def test_long_batches_of_small_blocks_keep_their_places(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
+def test_long_batches_of_small_blocks_keep_their_places(redis_url: str, namespace: str,
+                                                        make_tier: MakeTier) -> None:
     """A long batch shared by the I/O threads: a corrupt value, a short one and a missing key in its
     middle are misses at their own index, every other block comes back exact."""
     tier = make_tier("r", {0: SMALL}, namespace=namespace, url=redis_url, max_connections=2)
@@ -254,7 +256,8 @@ def test_ttl_is_set(redis_url: str, namespace: str, make_tier: MakeTier) -> None
     asyncio.run(without.put(plain_keys, kv_like(SMALL, 2)))
     client = sync_client(redis_url)
     assert all(0 < client.pttl(with_ttl.redis_key(k)) <= 30_000 for k in ttl_keys)
-    assert all(1_000 < client.pttl(fractional.redis_key(k)) <= 1_500 for k in short_keys)  # PX, not whole seconds
+    # PX, not whole seconds
+    assert all(1_000 < client.pttl(fractional.redis_key(k)) <= 1_500 for k in short_keys)
     assert all(client.pttl(without.redis_key(k)) == -1 for k in plain_keys)
     client.close()
 
@@ -289,7 +292,7 @@ def test_concurrent_batches_share_a_small_pool(redis_url: str, namespace: str, m
     assert tier.counters.errors == {}
 
 
-# --- faults ---------------------------------------------------------------------------------------------------
+# --- faults -------------------------------------------------------------------------------------------------
 def test_circuit_breaker_answers_fast_and_recovers(redis_server_factory, make_tier: MakeTier) -> None:
     server = redis_server_factory(start=False)  # a port nobody listens on (yet)
     tier = make_tier("r", {0: SMALL}, namespace="breaker", url=server.url, circuit_breaker=FAST_BREAKER,
@@ -391,7 +394,8 @@ def test_two_processes_share_blocks(redis_url: str, namespace: str, make_tier: M
     assert asyncio.run(tier.put(keys, blocks)) == [True] * 8
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=_child_reads, args=(redis_url, namespace, [k.block_hash for k in keys], results))
+    child = ctx.Process(target=_child_reads,
+                        args=(redis_url, namespace, [k.block_hash for k in keys], results))
     child.start()
     hits, data = results.get(timeout=60)
     child.join(timeout=30)
@@ -404,11 +408,13 @@ def test_tls_round_trip(redis_server_factory, tmp_path: Path, make_tier: MakeTie
     ca, cert, key = make_test_certificates(tmp_path)
     server = redis_server_factory(start=False)
     server.extra_args = ["--port", "0", "--tls-port", str(server.port), "--tls-cert-file", str(cert),
-                         "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+                         "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+                         "--tls-auth-clients", "no"]
     server.start(wait=False)  # the plain-text readiness check cannot talk TLS: the first put waits instead
     deadline = time.monotonic() + 10
     tier = make_tier("tls", {0: SMALL, 1: LARGE}, namespace="tls", url=f"rediss://127.0.0.1:{server.port}/0",
-                     tls_ca_file=str(ca), circuit_breaker=CircuitBreakerConfig(failures=100, cooldown_seconds=0))
+                     tls_ca_file=str(ca),
+                     circuit_breaker=CircuitBreakerConfig(failures=100, cooldown_seconds=0))
     keys, blocks = keys_for(4) + keys_for(2, group=1), kv_like(SMALL, 4) + kv_like(LARGE, 2)
     out = empty_like_blocks(SMALL, 4) + empty_like_blocks(LARGE, 2)
     while not asyncio.run(tier.put(keys, blocks))[0]:
@@ -420,7 +426,7 @@ def test_tls_round_trip(redis_server_factory, tmp_path: Path, make_tier: MakeTie
     assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
 
 
-# --- cluster ----------------------------------------------------------------------------------------------------
+# --- cluster ------------------------------------------------------------------------------------------------
 def _node_of(handle, tier: RedisTier, keys: list[BlockKey]) -> list[int]:
     """Index (into handle.nodes) of the master that owns each key, from CLUSTER SLOTS."""
     client = redis.Redis(host="127.0.0.1", port=handle.nodes[0].port, socket_timeout=5)
@@ -464,14 +470,16 @@ def _migrate_slot(handle, slot: int, source: int, target: int) -> None:
     nodes[target].execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
     nodes[source].execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[target])
     while keys := nodes[source].execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
-        nodes[source].execute_command("MIGRATE", "127.0.0.1", handle.nodes[target].port, "", 0, 5000, "KEYS", *keys)
+        nodes[source].execute_command("MIGRATE", "127.0.0.1", handle.nodes[target].port, "", 0, 5000,
+                                      "KEYS", *keys)
     for node in nodes:
         node.execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
         node.close()
 
 
 def test_cluster_follows_moved_slots(redis_cluster, make_tier: MakeTier) -> None:
-    tier = make_tier("c", {0: SMALL}, namespace=f"m-{uuid.uuid4().hex[:8]}", startup_nodes=redis_cluster.startup_nodes)
+    tier = make_tier("c", {0: SMALL}, namespace=f"m-{uuid.uuid4().hex[:8]}",
+                     startup_nodes=redis_cluster.startup_nodes)
     keys, blocks = keys_for(32), kv_like(SMALL, 32)
     owner = _node_of(redis_cluster, tier, keys)
     source = owner[0]
@@ -508,7 +516,8 @@ def test_cluster_follows_ask_during_a_slot_migration(private_redis_cluster, make
     moved, staying = keys[: len(keys) // 2], keys[len(keys) // 2:]
     blocks = kv_like(SMALL, len(keys))
     nodes = [redis.Redis(host="127.0.0.1", port=n.port, socket_timeout=5) for n in handle.nodes]
-    ids = [i.decode() if isinstance(i, bytes) else i for i in (n.execute_command("CLUSTER MYID") for n in nodes)]
+    ids = [i.decode() if isinstance(i, bytes) else i
+           for i in (n.execute_command("CLUSTER MYID") for n in nodes)]
     slots = sorted({key_slot(tier.redis_key(k)) for k in keys})
 
     async def scenario() -> None:
@@ -517,8 +526,8 @@ def test_cluster_follows_ask_during_a_slot_migration(private_redis_cluster, make
             nodes[target].execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
             nodes[source].execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[target])
         for key in moved:
-            nodes[source].execute_command("MIGRATE", "127.0.0.1", handle.nodes[target].port, tier.redis_key(key),
-                                          0, 5000)
+            nodes[source].execute_command("MIGRATE", "127.0.0.1", handle.nodes[target].port,
+                                          tier.redis_key(key), 0, 5000)
 
         out = empty_like_blocks(SMALL, len(keys))
         assert await tier.get(keys, out) == [True] * len(keys)

@@ -132,8 +132,8 @@ class SetOp(Op):
     __slots__ = ("raw", "fingerprint", "namespace_fp", "itemsize", "compress", "ttl_args", "value_bytes")
     large = True
 
-    def __init__(self, index: int, key: BlockKey, rkey: bytes, raw: np.ndarray, fingerprint: int, itemsize: int,
-                 compress: bool, ttl_args: bytes, namespace_fp: int) -> None:
+    def __init__(self, index: int, key: BlockKey, rkey: bytes, raw: np.ndarray, fingerprint: int,
+                 itemsize: int, compress: bool, ttl_args: bytes, namespace_fp: int) -> None:
         super().__init__(index, key, rkey)
         self.raw = raw
         self.fingerprint = fingerprint
@@ -148,7 +148,8 @@ class SetOp(Op):
                                        compress=self.compress, shuffle_itemsize=self.itemsize)
         self.value_bytes = HEADER_SIZE + payload.nbytes
         nargs = 5 if self.ttl_args else 3
-        prefix = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (nargs, len(self.rkey), self.rkey, self.value_bytes)
+        prefix = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+            nargs, len(self.rkey), self.rkey, self.value_bytes)
         return prefix + header, payload, CRLF + self.ttl_args
 
     def read_reply(self, conn: Connection) -> None:

@@ -63,14 +63,17 @@ class RedisTier(Tier):
     kind = "redis"
     self_evicting = True
 
-    def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int] | None = None,
+    def __init__(self, name: str, layouts: Mapping[int, BlockLayout],
+                 capacity_bytes: Mapping[int, int] | None = None,
                  *, namespace: str, url: str | None = None, cluster: bool = False,
                  startup_nodes: Sequence[str] | None = None, username: str | None = None,
-                 password: str | None = None, tls_ca_file: str | None = None, ttl_seconds: float | None = None,
+                 password: str | None = None, tls_ca_file: str | None = None,
+                 ttl_seconds: float | None = None,
                  compression: Compression = "none", connect_timeout: float = 1.0, timeout: float = 2.0,
                  max_connections: int = 16, circuit_breaker: CircuitBreakerConfig | None = None,
                  namespace_fp: int | None = None) -> None:
-        super().__init__(name, layouts, capacity_bytes if capacity_bytes is not None else dict.fromkeys(layouts, 0))
+        super().__init__(name, layouts,
+                         capacity_bytes if capacity_bytes is not None else dict.fromkeys(layouts, 0))
         if not namespace or set(namespace) & _FORBIDDEN_IN_NAMESPACE or not namespace.isprintable():
             raise ValueError(f"namespace {namespace!r} must be non-empty printable text without whitespace, "
                              f"braces (cluster hash tags) or glob characters")
@@ -89,8 +92,10 @@ class RedisTier(Tier):
         parsed = urlsplit(url or DEFAULT_URL)
         port = parsed.port or 6379
         self.db = int(parsed.path.strip("/") or 0)
-        self.username = username if username is not None else (unquote(parsed.username) if parsed.username else None)
-        self.password = password if password is not None else (unquote(parsed.password) if parsed.password else None)
+        self.username = username if username is not None else (
+            unquote(parsed.username) if parsed.username else None)
+        self.password = password if password is not None else (
+            unquote(parsed.password) if parsed.password else None)
         self.tls = parsed.scheme == "rediss" or tls_ca_file is not None
         self.tls_ca_file = tls_ca_file
         self.cluster = bool(cluster or startup_nodes)
@@ -181,7 +186,8 @@ class RedisTier(Tier):
         self.counters.read_seconds += time.perf_counter() - start
         corrupt = [op for op in ops if op.error == "corrupt"]
         for op in corrupt:
-            self._corrupt_log.log("redis tier %r: dropping invalid value of %s: %s", self.name, op.key, op.why)
+            self._corrupt_log.log("redis tier %r: dropping invalid value of %s: %s",
+                                  self.name, op.key, op.why)
         if corrupt:
             await self.delete([op.key for op in corrupt])
         return [op.ok for op in ops]
@@ -230,7 +236,8 @@ class RedisTier(Tier):
     # --- execution -----------------------------------------------------------------------------------------
     def _host_array(self, block: torch.Tensor, what: str) -> np.ndarray:
         if block.device.type != "cpu":
-            raise LayoutMismatch(f"{what} for redis tier {self.name!r} must be in host memory, got {block.device}")
+            raise LayoutMismatch(
+                f"{what} for redis tier {self.name!r} must be in host memory, got {block.device}")
         return block.numpy()
 
     def _io_executor(self) -> ThreadPoolExecutor:
@@ -311,8 +318,10 @@ class RedisTier(Tier):
                 self._topology_stale = True
                 if breaker.failure():
                     self._open_nodes.add(addr)
-                    self.report_health(False, f"circuit open for {', '.join(sorted(map(str, self._open_nodes)))} "
-                                              f"({run.detail}); probing every {self.breaker_config.cooldown_seconds:g} s")
+                    self.report_health(
+                        False,
+                        f"circuit open for {', '.join(sorted(map(str, self._open_nodes)))} "
+                        f"({run.detail}); probing every {self.breaker_config.cooldown_seconds:g} s")
             elif run.succeeded and breaker.success():
                 self._open_nodes.discard(addr)
                 self.report_health(not self._open_nodes,
@@ -357,7 +366,8 @@ class RedisTier(Tier):
         except Exception as exc:  # ConnectionError from refresh, TimeoutError from wait_for
             self.counters.error("topology")
             if breaker.failure():
-                log.warning("redis tier %r: cannot read the cluster slot map from %s (%s); retrying in %.1f s",
+                log.warning("redis tier %r: cannot read the cluster slot map from %s (%s); "
+                            "retrying in %.1f s",
                             self.name, [str(a) for a in self.startup_nodes], exc,
                             self.breaker_config.cooldown_seconds)
         else:
