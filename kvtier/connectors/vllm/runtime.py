@@ -201,6 +201,7 @@ class OffloadRuntime:
         self.slow_tiers = tuple(t for t, tier in enumerate(self.core.tiers) if not tier.addressable)
         self.has_remote = any(tier.self_evicting for tier in self.core.tiers)
         self.staging = Staging(staging_bytes)
+        self._staged_from: dict[BlockKey, int] = {}  # the tier each copy staged for another process came from
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-vllm", daemon=True)
         self._thread.start()
@@ -373,8 +374,12 @@ class OffloadRuntime:
                 if not all(held):
                     log.error("kvtier: a block the scheduler promised is not staged on this rank")
                     return False
+                activity = self.core._activity
                 for i in staged:
                     out[i].copy_(self.staging.get(keys[i]))
+                    source = self._staged_from.get(keys[i])
+                    if source is not None:  # a hit of that tier: its block reached the engine
+                        activity[source].hits += 1
             finally:
                 for i, was_held in zip(staged, held, strict=True):
                     if was_held:
@@ -399,6 +404,8 @@ class OffloadRuntime:
         for key in keys:
             self.staging.unpin(key)
             self.staging.discard(key)
+            if key not in self.staging:
+                self._staged_from.pop(key, None)
 
     async def _stage_chain(self, keys: Sequence[BlockKey]) -> tuple[int, bool]:
         if not keys:
@@ -428,7 +435,7 @@ class OffloadRuntime:
                 break
             if not self.staging.put(key, rows[i][0][0], pinned=True):
                 break  # staging is full of pinned copies: a miss, not a loss
-            core._activity[source].hits += 1
+            self._staged_from[key] = source
             staged += 1
         return staged, lost
 
