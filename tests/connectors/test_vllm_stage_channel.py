@@ -289,3 +289,23 @@ def test_redis_blocks_answer_retry_then_hit_on_every_rank(tmp_path: Path) -> Non
         assert engine.settle(unknown) == [Lookup.MISS]
     finally:
         engine.close()
+
+
+def test_a_block_stored_again_while_its_stage_is_asked_for_leaves_no_pinned_copy(tmp_path: Path) -> None:
+    engine = Engine(file_tiers(tmp_path), tmp_path)
+    try:
+        keys = engine.keys(2)
+        assert engine.store(keys, [1, 2]) == keys
+        for key in keys:  # the ranks' files, unknown to this manager (as another server's files are)
+            engine.manager._residency.forget(0, engine.manager._codec.block_key(key))
+        assert [engine.manager.lookup(k) for k in keys] == [Lookup.RETRY] * 2  # queued for this step
+        planned = engine.manager.plan_store(keys)  # another request computed and stores them meanwhile
+        assert planned is not None and planned[0] == keys
+        engine.manager.on_schedule_end()  # the round still stages them on the ranks: staged for nobody
+        while engine.stage.rounds < 1:
+            time.sleep(0.01)
+        engine.manager.complete_store(planned[0])
+        engine.wait_released()
+        assert all(not rank.runtime.staging._pins for rank in engine.ranks)
+    finally:
+        engine.close()

@@ -344,9 +344,14 @@ class KVTierOffloadManager:
         for key in chosen:
             storing[key] = storing.get(key, 0) + 1
         if self._absent or self._fetching:
+            dropped = []
             for key in chosen:
                 self._absent.pop(key, None)
-                self._fetching.pop(key, None)
+                fetch = self._fetching.pop(key, None)
+                if fetch is not None and self._stage is not None:
+                    dropped.append((key, fetch))
+            if dropped:  # stored now: what the ranks stage for it is released, never promised
+                self._release_when_staged(dropped)
         self.counters.stores_prepared += len(chosen)
         return chosen, self._spec_type(keys=tuple(block_keys), plan=plan, placed=self._placed)
 
@@ -396,12 +401,17 @@ class KVTierOffloadManager:
             chains = list(self._fetch_queue.values())
             futures = self._stage.submit([[block_key for _, block_key in chain] for chain in chains])
             self.counters.fetches += 1
+            orphans = []  # stored (or reset) since their lookup: staged for nobody
             for chain, future in zip(chains, futures, strict=True):
                 self.counters.fetched_blocks += len(chain)
-                for key, _ in chain:
+                for position, (key, _) in enumerate(chain):
                     queued = self._fetching.get(key)
                     if queued is not None:
                         queued.future = future
+                    else:
+                        orphans.append((key, _Fetch(False, position, future)))
+            if orphans:
+                self._release_when_staged(orphans)
             self._fetch_queue.clear()
         now = time.monotonic()
         if self._promised and now >= self._next_expiry:
@@ -481,9 +491,16 @@ class KVTierOffloadManager:
     def _abandon_stages(self) -> None:
         """A reset: what rounds in flight stage, and promises no load holds, are released on the ranks."""
         assert self._stage is not None
+        self._release_when_staged(list(self._fetching.items()))
+        unheld = [key for key, promise in self._promised.items() if not promise.leases]
+        self._stage.release([self._promised.pop(key).block_key for key in unheld])
+
+    def _release_when_staged(self, fetches: Sequence[tuple[bytes, _Fetch]]) -> None:
+        """Nobody will load what these stages hold: each copy is released on every rank once staged."""
+        assert self._stage is not None
         stage = self._stage
         pending: dict[int, tuple[concurrent.futures.Future[Any], list[tuple[BlockKey, int]]]] = {}
-        for key, fetch in self._fetching.items():
+        for key, fetch in fetches:
             if fetch.future is not None:
                 entry = pending.setdefault(id(fetch.future), (fetch.future, []))
                 entry[1].append((self._codec.block_key(key), fetch.position))
@@ -493,8 +510,6 @@ class KVTierOffloadManager:
                 staged = _staged_count(done.result()) if done.exception() is None else 0
                 stage.release([block_key for block_key, position in entries if position < staged])
             future.add_done_callback(release)
-        unheld = [key for key, promise in self._promised.items() if not promise.leases]
-        stage.release([self._promised.pop(key).block_key for key in unheld])
 
     # --- lifecycle ------------------------------------------------------------------------------------
     def reset_cache(self) -> None:
