@@ -197,6 +197,7 @@ def test_a_block_lost_on_one_rank_is_a_miss_and_leaves_the_index(tmp_path: Path,
         assert engine.settle(keys) == [Lookup.HIT, Lookup.MISS]  # rank 1 lost the second block: recompute it
         removed = engine.manager.take_removed()
         assert removed == [keys[1]]  # reported to vLLM as gone
+        assert engine.manager.counters.lost_blocks == 1
         assert engine.manager._residency.locate(engine.manager._codec.block_key(keys[1])) is None
         assert engine.load(keys[:1], [7]) == [True, True]  # the first block is still a hit on both ranks
         engine.wait_released()  # rank 0's copies of blocks 2 and 3, never promised, were released too

@@ -449,8 +449,9 @@ class KVTierOffloadManager:
             if held:
                 core._changed([block_key])
                 core._report_removed([block_key])
-        self._lost_drops += [(t, block_key) for t in held]
-        self.counters.lost_blocks += 1
+        if held:
+            self._lost_drops += [(t, block_key) for t in held]
+            self.counters.lost_blocks += 1
 
     def _lease_promised(self, keys: Sequence[bytes], pinned: Sequence[int | None]) -> tuple[int, ...]:
         """Sources of a load: memory tiers where pinned, else :data:`STAGED` for a promised block."""
