@@ -316,9 +316,10 @@ def run_split_engine(runs: list[dict[str, Any]], model: Path, env: dict[str, str
     platform (the multiprocess executor) and, with ``tensor_parallel_size``, one worker per TP rank.
 
     ``plain``: first the same engine without kvtier (its outputs are the reference). Then one kvtier engine
-    per run (``{"config": ..., "damage": None | "one_file" | "all_files"}``), each: a first pass, a reload
-    (the GPU prefix cache reset, so blocks come from kvtier), and with ``damage`` a third pass after
-    deleting one rank's file of one block (``one_file``) or every file (``all_files``) of the file tier.
+    per run (``{"config": ..., "damage": [...]}``), each: a first pass, a reload (the GPU prefix cache
+    reset, so blocks come from kvtier), and one more pass after each damage, in order: one rank's file
+    of one block deleted (``one_file``) or corrupted (``corrupt_one``), or every file deleted
+    (``all_files``). Results of those passes: ``after`` (outputs, cached tokens, metrics per rank).
     """
     for run in runs:
         run["config"] = {**run["config"], "metrics": {"port": free_port()}}
@@ -351,8 +352,8 @@ BLOCKS = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
 @needs_redis
 def test_the_default_engine_mode_with_the_worker_in_its_own_process(model: Path, reference: list[list[int]],
                                                                     tmp_path: Path) -> None:
-    runs = [{"config": tiers_for("cpu", tmp_path), "damage": None},
-            {"config": slow_tiers("file+redis", tmp_path), "damage": "all_files"}]
+    runs = [{"config": tiers_for("cpu", tmp_path), "damage": []},
+            {"config": slow_tiers("file+redis", tmp_path), "damage": ["corrupt_one", "all_files"]}]
     result = run_split_engine(runs, model, plain=False)
     assert result["client"] == "SyncMPClient" and result["backend"] == "mp"  # the scheduler and worker apart
     cpu, slow = result["runs"]
@@ -361,10 +362,14 @@ def test_the_default_engine_mode_with_the_worker_in_its_own_process(model: Path,
         assert run["cached"] == [FULL] * NUM_PROMPTS
     assert cpu["metrics"][0]["hits/cpu"] == BLOCKS
     assert slow["metrics"][0]["hits/file"] == BLOCKS  # promised once the worker staged them, verified
+    corrupt, gone = slow["after"]
+    # one file corrupted: its checksum fails, the worker finds that block in Redis, the rest in files
+    assert corrupt["outputs"] == reference and corrupt["cached"] == [FULL] * NUM_PROMPTS
+    assert corrupt["metrics"][0]["hits/redis"] == 1 and corrupt["metrics"][0]["hits/file"] == 2 * BLOCKS - 1
     # every file gone: the worker finds each block in Redis instead, and the outputs stay the same
-    assert slow["third"] == reference and slow["third_cached"] == [FULL] * NUM_PROMPTS
-    assert slow["third_metrics"][0]["hits/redis"] == BLOCKS
-    assert slow["third_metrics"][0]["hits/file"] == BLOCKS
+    assert gone["outputs"] == reference and gone["cached"] == [FULL] * NUM_PROMPTS
+    assert gone["metrics"][0]["hits/redis"] == 1 + BLOCKS
+    assert gone["metrics"][0]["hits/file"] == 2 * BLOCKS - 1
 
 
 @pytest.mark.timeout(900)  # two engines, one after the other, in one subprocess
@@ -373,7 +378,7 @@ def test_tensor_parallel_2_each_rank_holds_its_heads_and_a_block_lost_on_one_ran
     # vLLM's CPU workers bind their OpenMP threads to NUMA nodes, one node per worker by default: on a machine
     # with one node, each rank gets cores by hand (here the first two; CI machines have at least two).
     # (The CPU tier with the workers apart is the default-mode test's first run.)
-    runs = [{"config": slow_tiers("file", tmp_path), "damage": "one_file"}]
+    runs = [{"config": slow_tiers("file", tmp_path), "damage": ["one_file"]}]
     result = run_split_engine(runs, model, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
                               distributed_executor_backend="mp")
     (file,) = result["runs"]
@@ -382,11 +387,12 @@ def test_tensor_parallel_2_each_rank_holds_its_heads_and_a_block_lost_on_one_ran
     assert [m["hits/file"] for m in file["metrics"]] == [BLOCKS, BLOCKS]  # both ranks served their shard
 
     # one rank lost one block's file: that block and the rest of its prompt are recomputed, the rest are hits
-    assert file["third"] == result["plain"]
-    damaged = [c for c in file["third_cached"] if c < FULL]
-    assert len(damaged) == 1 and file["third_cached"].count(FULL) == NUM_PROMPTS - 1
-    reloaded = sum(file["third_cached"]) // BLOCK_SIZE
-    assert [m["hits/file"] - BLOCKS for m in file["third_metrics"]] == [reloaded, reloaded]
+    (lost,) = file["after"]
+    assert lost["outputs"] == result["plain"]
+    damaged = [c for c in lost["cached"] if c < FULL]
+    assert len(damaged) == 1 and lost["cached"].count(FULL) == NUM_PROMPTS - 1
+    reloaded = sum(lost["cached"]) // BLOCK_SIZE
+    assert [m["hits/file"] - BLOCKS for m in lost["metrics"]] == [reloaded, reloaded]
 
 
 def _wait_stored(ports: list[int], blocks: int) -> None:
@@ -397,11 +403,16 @@ def _wait_stored(ports: list[int], blocks: int) -> None:
 
 
 def _damage(root: Path, how: str) -> None:
-    """Delete one block file of one rank (its namespace directory) or every block file of the tier."""
+    """Delete or corrupt one block file of one rank (its namespace directory), or delete every one."""
     ranks = sorted(d for d in root.iterdir() if d.is_dir())
-    if how == "one_file":
+    if how in ("one_file", "corrupt_one"):
         victim = sorted(ranks[0].rglob("*.kvb"))[0]
-        victim.unlink()
+        if how == "one_file":
+            victim.unlink()
+        else:  # flip one payload byte
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0x5A
+            victim.write_bytes(bytes(data))
     else:
         for path in root.rglob("*.kvb"):
             path.unlink()
@@ -428,11 +439,13 @@ def _split_engine_main(args: dict[str, Any]) -> None:
         llm.reset_prefix_cache()
         second, cached = generate(llm, prompts())
         result = {"first": first, "second": second, "cached": cached, "metrics": [scrape(p) for p in ports]}
-        if run["damage"]:
-            _damage(Path(config["tiers"][0]["path"]), run["damage"])
+        result["after"] = []
+        for how in run["damage"]:
+            _damage(Path(config["tiers"][0]["path"]), how)
             llm.reset_prefix_cache()
-            result["third"], result["third_cached"] = generate(llm, prompts())
-            result["third_metrics"] = [scrape(p) for p in ports]
+            outputs, cached = generate(llm, prompts())
+            metrics = [scrape(p) for p in ports]
+            result["after"].append({"outputs": outputs, "cached": cached, "metrics": metrics})
         shutdown(llm)
         out["runs"].append(result)
     print("KVTIER_RESULT " + json.dumps(out), flush=True)
