@@ -17,8 +17,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: no stage round trips (docs/vllm.md)
-os.environ.setdefault("KMP_BLOCKTIME", "0")  # vLLM CPU backend: idle OpenMP threads must not spin (docs/vllm.md)
+# One process: no stage round trips (docs/vllm.md).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM CPU backend: idle OpenMP threads must not spin (docs/vllm.md).
+os.environ.setdefault("KMP_BLOCKTIME", "0")
 
 
 def tiny_llama(path: Path) -> Path:

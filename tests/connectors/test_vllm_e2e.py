@@ -36,9 +36,9 @@ def make_model(path: Path) -> None:
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=2048)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=32, max_position_embeddings=2048)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
@@ -54,9 +54,10 @@ def make_llm(model: Path, kvtier_config: dict[str, Any] | None, **engine: Any) -
 
     transfer = None
     if kvtier_config is not None:
-        transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config={
-            "spec_module_path": "kvtier.connectors.vllm", "spec_name": "KVTierOffloadingSpec",
-            "kvtier_config": kvtier_config})
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config={
+                "spec_module_path": "kvtier.connectors.vllm", "spec_name": "KVTierOffloadingSpec",
+                "kvtier_config": kvtier_config})
     return LLM(model=str(model), skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=1024,
                kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0, prefix_caching_hash_algo="sha256",
                kv_transfer_config=transfer, **engine)
@@ -195,14 +196,15 @@ def test_reloads_come_from_the_tier_under_test(kind: str, engine: Any, reference
     assert sum(t.corrupt_or_lost for t in stats.tiers) == 0
     if kind == "all":
         assert hits["cpu"] > 0 and hits["file"] > 0, hits  # 8 blocks fit in memory, the rest came from NVMe
-        assert stats.tiers[2].stores >= NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)  # write-through reached Redis
+        # Write-through reached Redis.
+        assert stats.tiers[2].stores >= NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)
     else:
         assert hits == {kind: NUM_PROMPTS * (PROMPT_TOKENS // BLOCK_SIZE)}
 
 
 @pytest.mark.parametrize("kind", ["file", pytest.param("redis", marks=needs_redis)])
-def test_a_second_engine_process_hits_what_the_first_stored(kind: str, engine: Any, model: Path,
-                                                            reference: list[list[int]], tmp_path: Path) -> None:
+def test_a_second_engine_process_hits_what_the_first_stored(
+        kind: str, engine: Any, model: Path, reference: list[list[int]], tmp_path: Path) -> None:
     config = tiers_for(kind, tmp_path)
     llm = engine(config)
     assert generate(llm, prompts())[0] == reference
@@ -296,7 +298,8 @@ def free_port() -> int:
 
 
 def scrape(port: int) -> dict[str, float]:
-    """kvtier's Prometheus counters of an engine in another process: ``{"stored_blocks": …, "hits/file": …}``."""
+    """kvtier's Prometheus counters of an engine in another process:
+    ``{"stored_blocks": …, "hits/file": …}``."""
     import urllib.request
 
     values: dict[str, float] = {}
@@ -324,7 +327,8 @@ def run_split_engine(runs: list[dict[str, Any]], model: Path, env: dict[str, str
     for run in runs:
         run["config"] = {**run["config"], "metrics": {"port": free_port()}}
     args = json.dumps({"mode": "split", "model": str(model), "runs": runs, "plain": plain, "engine": engine})
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}  # vLLM's default (this module: 0)
+    # VLLM_ENABLE_V1_MULTIPROCESSING=1 is vLLM's default (this module: 0).
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
     proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=900,
                           env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("KVTIER_RESULT ")]
@@ -397,7 +401,8 @@ def test_tensor_parallel_2_each_rank_holds_its_heads_and_a_block_lost_on_one_ran
 
 def _wait_stored(ports: list[int], blocks: int) -> None:
     deadline = time.monotonic() + 60
-    while min(scrape(port).get("stored_blocks", 0) for port in ports) < blocks:  # stores land in the background
+    # Stores land in the background.
+    while min(scrape(port).get("stored_blocks", 0) for port in ports) < blocks:
         assert time.monotonic() < deadline, [scrape(port) for port in ports]
         time.sleep(0.1)
 

@@ -57,16 +57,19 @@ from kvtier.connectors.vllm.spec import VLLM_CLASSES
 from kvtier.connectors.vllm.worker import KVTierOffloadWorkerCore, split_by_group
 
 __all__ = [
-    "EPOCH_BYTES", "FIRST_EPOCH", "ModelIdentity", "model_identity", "DEFAULT_STAGING_BYTES", "LOST", "MAX_REMOVED_KEYS", "STAGED", "SUPPORTED_VLLM", "BlockTransferSpec",
+    "EPOCH_BYTES", "FIRST_EPOCH", "ModelIdentity", "model_identity", "DEFAULT_STAGING_BYTES", "LOST",
+    "MAX_REMOVED_KEYS", "STAGED", "SUPPORTED_VLLM", "BlockTransferSpec",
     "CudaPageMover", "EngineGeometry", "EngineGroup", "IndexMirror", "KVTierOffloadManager",
-    "KVTierOffloadWorkerCore", "KeyCodec", "Lookup", "ManagerCounters", "OffloadRuntime", "PageMover", "Staging",
+    "KVTierOffloadWorkerCore", "KeyCodec", "Lookup", "ManagerCounters", "OffloadRuntime", "PageMover",
+    "Staging",
     "UnsupportedVLLM", "check_vllm_version", "engine_stats", "kvtier_config_for_engine", "page_movers",
     "read_config_source", "register_runtime", "release_runtime", "split_by_group",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    """vLLM's factory does ``getattr(module, "KVTierOffloadingSpec")``: import vLLM and build its classes then."""
+    """vLLM's factory does ``getattr(module, "KVTierOffloadingSpec")``: import vLLM and build its classes
+    then."""
     if name in VLLM_CLASSES:
         from kvtier.connectors.vllm.spec import vllm_api
 

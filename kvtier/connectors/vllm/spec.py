@@ -34,7 +34,9 @@ from kvtier.layout import parse_dtype
 
 log = logging.getLogger(__name__)
 
-VLLM_CLASSES = ("KVTierOffloadingSpec", "KVTierOffloadingManager", "KVTierOffloadingWorker", "KVTierLoadStoreSpec")
+VLLM_CLASSES = (
+    "KVTierOffloadingSpec", "KVTierOffloadingManager", "KVTierOffloadingWorker", "KVTierLoadStoreSpec",
+)
 _vllm_api: dict[str, type] | None = None
 
 
@@ -61,12 +63,14 @@ def _engine_identity(config: Any) -> ModelIdentity:
 
 def _shape_from_block_bytes(config: Any, source: Any) -> tuple[int, int, bool] | None:
     """(KV heads, head size, MLA) that give each worker's block size, for a scheduler process that has no
-    vLLM model config at hand; None when the kvtier config names them itself or the model has several groups."""
+    vLLM model config at hand; None when the kvtier config names them itself or the model has several
+    groups."""
     model = read_config_source(source).get("model") or {}
     if model.get("num_kv_heads") is not None or len(config.groups) != 1:
         return None
     group = config.groups[0]
-    per_value = len(group.layer_names) * 2 * int(group.tokens_per_block) * parse_dtype(str(config.model.dtype)).itemsize
+    per_value = (len(group.layer_names) * 2 * int(group.tokens_per_block)
+                 * parse_dtype(str(config.model.dtype)).itemsize)
     per_block = int(config.worker_kv_bytes_per_block)
     if per_value == 0 or per_block % per_value:
         return None
@@ -138,7 +142,8 @@ def _build_vllm_api() -> dict[str, type]:
                 raise KVTierConfigError("kv_connector_extra_config.kvtier_config",
                                         "is required: a kvtier YAML path, YAML text or a dict")
             self._source = source
-            self._staging_bytes = parse_size(self.extra_config.get("kvtier_staging_bytes", DEFAULT_STAGING_BYTES))
+            self._staging_bytes = parse_size(
+                self.extra_config.get("kvtier_staging_bytes", DEFAULT_STAGING_BYTES))
             self._engine_id = str(config.engine_id)
             self._stage_timeout = float(self.extra_config.get("kvtier_stage_timeout", DEFAULT_STAGE_TIMEOUT))
             if not self._stage_timeout > 0:
@@ -164,7 +169,8 @@ def _build_vllm_api() -> dict[str, type]:
         def _scheduler_runtime(self) -> OffloadRuntime:
             """Indexes and policies for workers in other processes (see scheduler_index)."""
             shape = _engine_model_shape() or _shape_from_block_bytes(self.config, self._source)
-            geometry = EngineGeometry.from_offloading_config(self.config, shape, _engine_identity(self.config))
+            geometry = EngineGeometry.from_offloading_config(self.config, shape,
+                                                              _engine_identity(self.config))
             kvtier_config = kvtier_config_for_engine(self._source, geometry)
             codec = KeyCodec([g.group_id for g in geometry.groups])
             runtime = OffloadRuntime(kvtier_config, codec, self._staging_bytes, index_only=True)
@@ -172,11 +178,12 @@ def _build_vllm_api() -> dict[str, type]:
             sizes = {layout.nbytes for layout in runtime.core.layouts.values()}
             if len(geometry.groups) == 1 and sizes != {expected}:
                 runtime.close()
-                raise LayoutMismatch(f"kvtier's block of this engine would be {sizes.pop()} bytes but each vLLM "
-                                     f"worker stores {expected} per offloaded block; set model.num_kv_heads and "
-                                     f"model.head_dim in the kvtier config")
-            log.info("kvtier offloading for vLLM engine %s: the scheduler plans for workers in other processes "
-                     "(world size %d), tiers %s", self._engine_id, self.config.parallel.world_size,
+                raise LayoutMismatch(
+                    f"kvtier's block of this engine would be {sizes.pop()} bytes but each vLLM "
+                    f"worker stores {expected} per offloaded block; set model.num_kv_heads and "
+                    f"model.head_dim in the kvtier config")
+            log.info("kvtier offloading for vLLM engine %s: the scheduler plans for workers in other "
+                     "processes (world size %d), tiers %s", self._engine_id, self.config.parallel.world_size,
                      [t.name for t in runtime.core.tiers])
             return runtime
 
@@ -212,14 +219,17 @@ def _build_vllm_api() -> dict[str, type]:
                                                       on_shutdown=shutdown)
                 log.info("kvtier offloading for vLLM engine %s: tiers %s, %s, namespace %s", engine_id,
                          [t.name for t in runtime.core.tiers],
-                         "cross-layer blocks" if all(m.cross_layer for m in movers) else "per-layer pages packed",
+                         ("cross-layer blocks" if all(m.cross_layer for m in movers)
+                          else "per-layer pages packed"),
                          runtime.core.namespace.id if runtime.core.namespace else "-")
             return self._worker
 
     api: dict[str, type] = {"KVTierOffloadingSpec": KVTierOffloadingSpec,
                             "KVTierOffloadingManager": KVTierOffloadingManager,
-                            "KVTierOffloadingWorker": KVTierOffloadingWorker, "KVTierLoadStoreSpec": KVTierLoadStoreSpec}
-    for name, cls in api.items():  # pickled by name (specs travel to worker processes): the package serves them
+                            "KVTierOffloadingWorker": KVTierOffloadingWorker,
+                            "KVTierLoadStoreSpec": KVTierLoadStoreSpec}
+    # Pickled by name (specs travel to worker processes): the package serves them.
+    for name, cls in api.items():
         cls.__module__, cls.__qualname__ = "kvtier.connectors.vllm", name
     return api
 

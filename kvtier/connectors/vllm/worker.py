@@ -31,7 +31,8 @@ class _Job:
     nbytes: int
     started: float
     scatters: list[tuple[PageMover, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
-    copied: Any = None  # CUDA: the event after this load's page copies (already enqueued); done once it completed
+    # CUDA: the event after this load's page copies (already enqueued); done once it completed.
+    copied: Any = None
 
 
 def split_by_group(keys: Sequence[BlockKey], block_ids: Any, group_sizes: Sequence[int],
@@ -96,17 +97,20 @@ class KVTierOffloadWorkerCore:
         self._on_shutdown = on_shutdown
         self._said_partial = False
         cuda = [m for m in self.movers if isinstance(m, CudaPageMover)]
-        self._stream = cuda[0].stream if cuda else None  # pages move on it with the kernels; else torch copies
+        # Pages move on it with the kernels; else torch copies.
+        self._stream = cuda[0].stream if cuda else None
         if cuda and len(cuda) != len(self.movers):
             raise LayoutMismatch("every KV-cache group must use the CUDA page mover, or none")
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: BlockTransferSpec) -> bool:
-        """Copy the pages of ``dst_spec.keys`` out of the engine now and run the manager's plan (``OffloadRuntime.store``)."""
+        """Copy the pages of ``dst_spec.keys`` out of the engine now and run the manager's plan
+        (``OffloadRuntime.store``)."""
         keys = list(dst_spec.keys)
         rows: list[torch.Tensor | None] = [None] * len(keys)  # a chunk without its pages: its writes fail
         order = {key: i for i, key in enumerate(keys)}
         nbytes = 0
-        groups = split_by_group(keys, src_spec.block_ids, getattr(src_spec, "group_sizes", ()), len(self.movers))
+        groups = split_by_group(keys, src_spec.block_ids, getattr(src_spec, "group_sizes", ()),
+                                len(self.movers))
         for g, (group_keys, ids) in enumerate(groups):
             if not group_keys:
                 continue
@@ -126,9 +130,11 @@ class KVTierOffloadWorkerCore:
         return True
 
     def submit_load(self, job_id: int, src_spec: BlockTransferSpec, dst_spec: Any) -> bool:
-        """Copy the leased blocks now (memory copies); ``get_finished`` writes them into the engine's pages."""
+        """Copy the leased blocks now (memory copies); ``get_finished`` writes them into the engine's
+        pages."""
         keys, sources = list(src_spec.keys), list(src_spec.sources)
-        groups = split_by_group(keys, dst_spec.block_ids, getattr(dst_spec, "group_sizes", ()), len(self.movers))
+        groups = split_by_group(keys, dst_spec.block_ids, getattr(dst_spec, "group_sizes", ()),
+                                len(self.movers))
         starts = list(getattr(dst_spec, "block_indices", ())) or [0] * len(groups)
         buffers: list[tuple[list[BlockKey], torch.Tensor]] = []
         scatters = []
@@ -154,7 +160,8 @@ class KVTierOffloadWorkerCore:
             future.set_exception(exc)
         job = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter(), scatters=scatters)
         if self._stream is not None and future.exception() is None and future.result():
-            for mover, blocks, engine_ids, start in scatters:  # the kernels write the pages now, on the stream
+            # The kernels write the pages now, on the stream.
+            for mover, blocks, engine_ids, start in scatters:
                 mover.scatter(blocks, engine_ids, start)
             job.copied = self._copies_done()  # the job keeps its host blocks alive until then
         self._jobs[job_id] = job
