@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import logging
 import mmap
@@ -65,6 +67,45 @@ _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)  # Linux 4.14+; elsewhere every 
 DISK_RECHECK_SECONDS = 1.0
 
 Compression = Literal["none", "lz4"]
+WriteIO = Literal["direct", "synced", "buffered"]
+WRITE_IO_MODES: tuple[WriteIO, ...] = ("direct", "synced", "buffered")
+#: ``write_io`` when neither it nor ``direct_io`` is given (why: docs/file-tier.md)
+DEFAULT_WRITE_IO: WriteIO = "synced"
+_SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4  # sync_file_range(2) flags (Linux)
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux; ``os`` does not expose it); ``None`` elsewhere."""
+    name = ctypes.util.find_library("c")
+    func = getattr(ctypes.CDLL(name, use_errno=True), "sync_file_range", None) if name else None
+    if func is None:
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    func.restype = ctypes.c_int
+    return func
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing the file's dirty pages to the device; do not wait (``sync_file_range(WRITE)``)."""
+    if _SYNC_FILE_RANGE is not None and _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_WRITE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"sync_file_range: {os.strerror(code)}")
+
+
+def _wait_writeback(fd: int) -> None:
+    """Return once every page written to ``fd`` has been written to the device.
+
+    ``sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)`` writes and waits for the data and nothing
+    else (no metadata, no device cache flush), which is what an ``O_DIRECT`` write gives; where it is
+    missing, ``fdatasync`` (which gives more)."""
+    if _SYNC_FILE_RANGE is None:
+        os.fdatasync(fd)
+    elif _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"sync_file_range: {os.strerror(code)}")
 
 
 def _round_up(nbytes: int) -> int:
@@ -132,6 +173,8 @@ class _Outcome(NamedTuple):
 
 
 _NOT_RUN = _Outcome("io")  # placeholder of a job a failed or cancelled batch never ran
+#: the rest of a job, run by its I/O thread once the batch's queue is empty (a synced write's wait)
+_Finish = Callable[[], _Outcome]
 
 
 class FileTier(Tier):
@@ -156,12 +199,19 @@ class FileTier(Tier):
     kind = "file"
 
     def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int], *,
-                 root: str | Path, namespace: str, compression: Compression = "none", direct_io: bool = True,
+                 root: str | Path, namespace: str, compression: Compression = "none",
+                 direct_io: bool | None = None, write_io: WriteIO | None = None,
                  direct_reads: bool = False, io_threads: int = 4, fsync: bool = False,
                  namespace_fp: int | None = None) -> None:
         super().__init__(name, layouts, capacity_bytes)
         if compression not in ("none", "lz4"):
             raise KVTierConfigError("compression", f"must be 'none' or 'lz4', got {compression!r}")
+        if write_io is not None and write_io not in WRITE_IO_MODES:
+            raise KVTierConfigError("write_io", f"must be one of {', '.join(WRITE_IO_MODES)}, got {write_io!r}")
+        if write_io is not None and direct_io is not None and direct_io != (write_io == "direct"):
+            raise KVTierConfigError("write_io", f"{write_io} contradicts direct_io={direct_io}; give one of them")
+        if write_io is None:
+            write_io = DEFAULT_WRITE_IO if direct_io is None else "direct" if direct_io else "buffered"
         if not namespace or namespace in (".", "..") or "/" in namespace or "\0" in namespace:
             raise KVTierConfigError("namespace", f"{namespace!r} is not a usable directory name")
         if io_threads < 1:
@@ -173,7 +223,12 @@ class FileTier(Tier):
         self.compression: Compression = compression
         self.direct_reads = direct_reads
         self.fsync = fsync
-        self._direct = direct_io
+        #: how writes go to the disk (see :attr:`write_io_active` for what they do now)
+        self.write_io: WriteIO = write_io
+        self._direct = write_io == "direct"
+        #: buffered writes wait for their write-back before the put returns (``synced``, or a
+        #: ``direct`` tier whose filesystem refused O_DIRECT)
+        self._synced = write_io != "buffered"
         #: first try each read from the page cache alone (see :meth:`_read_cached_block`)
         self._nowait = _RWF_NOWAIT != 0 and hasattr(os, "posix_fadvise")
         self._fingerprints = {gid: layout.fingerprint() for gid, layout in self.layouts.items()}
@@ -200,7 +255,7 @@ class FileTier(Tier):
             self._refuse_unsafe(self.root, ancestors=True)
             self._make_dir(self.directory)
             self._refuse_unsafe(self.directory, ancestors=False)
-            if direct_io:
+            if self._direct:
                 self._probe_direct_io()
             self._scan()
             self._chains = ChainLog(self.directory / CHAIN_LOG)
@@ -216,6 +271,11 @@ class FileTier(Tier):
     def direct_io_active(self) -> bool:
         """Whether writes (and reads, with ``direct_reads``) use ``O_DIRECT`` now."""
         return self._direct
+
+    @property
+    def write_io_active(self) -> WriteIO:
+        """How writes go to the disk now: ``write_io``, or ``synced`` where O_DIRECT was refused."""
+        return "direct" if self._direct else "synced" if self._synced else "buffered"
 
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
         """Write each block to its file (temp + rename); the I/O threads share the batch (:meth:`_on_io_threads`).
@@ -344,12 +404,14 @@ class FileTier(Tier):
             self._capacity_log.log("file tier %r: disk space came back; effective capacity %d → %d bytes (configured %d)",
                         self.name, before, after, wanted)
 
-    async def _on_io_threads(self, work: Callable[..., _Outcome | None], jobs: list[tuple[Any, ...]],
+    async def _on_io_threads(self, work: Callable[..., _Outcome | _Finish | None], jobs: list[tuple[Any, ...]],
                              later: Callable[..., _Outcome | None] | None = None) -> list[_Outcome]:
         """Run ``work(*job)`` for every job on the I/O threads: one executor task per thread, not per block.
 
         ``work`` may return ``None`` to put a job off: the thread runs ``later(*job)`` for it once the
-        shared queue is empty (cold reads: see :meth:`_read_cached_block`).
+        shared queue is empty (cold reads: see :meth:`_read_cached_block`). It may also return the
+        rest of the job as a function, which the thread runs once the queue is empty even if the call
+        was cancelled (a synced write waits for its write-back, then renames: see :meth:`_write_block`).
 
         Up to ``io_threads`` tasks drain one shared queue (``deque.popleft`` is atomic), so a slow file
         holds up only its own thread and a batch costs a few futures instead of one per block (about
@@ -366,16 +428,23 @@ class FileTier(Tier):
 
         def drain() -> None:
             deferred: list[tuple[int, tuple[Any, ...]]] = []
-            while not stop.is_set():
-                try:
-                    index, job = queue.popleft()
-                except IndexError:
-                    break
-                outcome = work(*job)
-                if outcome is None:
-                    deferred.append((index, job))
-                else:
-                    outcomes[index] = outcome
+            finishing: list[tuple[int, _Finish]] = []
+            try:
+                while not stop.is_set():
+                    try:
+                        index, job = queue.popleft()
+                    except IndexError:
+                        break
+                    outcome = work(*job)
+                    if outcome is None:
+                        deferred.append((index, job))
+                    elif isinstance(outcome, _Outcome):
+                        outcomes[index] = outcome
+                    else:
+                        finishing.append((index, outcome))
+            finally:  # started writes are finished (or discarded) whatever happens
+                for index, finish in finishing:
+                    outcomes[index] = finish()
             for index, job in deferred:
                 if stop.is_set() or later is None:
                     return
@@ -451,8 +520,8 @@ class FileTier(Tier):
     def _disable_direct(self, where: str | Path, exc: OSError) -> None:
         if self._direct:
             self._direct = False
-            log.warning("file tier %r: O_DIRECT is not supported under %s (%s); using buffered I/O",
-                        self.name, where, exc.strerror or exc)
+            log.warning("file tier %r: O_DIRECT is not supported under %s (%s); writing through the "
+                        "page cache and waiting for the write-back instead", self.name, where, exc.strerror or exc)
 
     def _probe_direct_io(self) -> None:
         probe = self.directory / f".probe.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
@@ -485,29 +554,60 @@ class FileTier(Tier):
         return scratch
 
     # --- block I/O (runs on the executor threads) ---------------------------------------------------
-    def _write_block(self, key: BlockKey, raw: np.ndarray) -> _Outcome:
+    def _write_block(self, key: BlockKey, raw: np.ndarray) -> _Outcome | _Finish:
+        """Write ``key``'s temporary file; rename it into place now, or (synced buffered writes) return
+        the rest as a function, after starting the file's write-back.
+
+        The I/O thread runs that function once it has written its share of the batch: the write-backs
+        of its files are then in flight together, and each wait finds its file mostly written.
+        """
         shard, hex_hash = self._locate(key)
         final = f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
         tmp = f"{shard}/.{hex_hash}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
-            header, payload = encode_block(key, self._fingerprints[key.group_id], raw, namespace_fp=self.namespace_fp,
-                                           compress=self.compression == "lz4",
+            header, payload = encode_block(key, self._fingerprints[key.group_id], raw,
+                                           namespace_fp=self.namespace_fp, compress=self.compression == "lz4",
                                            shuffle_itemsize=self._itemsize[key.group_id])
             file_size = PAGE + _round_up(payload.nbytes)
             scratch = self._scratch()
             scratch.write_page[:HEADER_SIZE] = header
-            self._write_file(shard, tmp, self._write_buffers(scratch, payload, raw))
+            fd, direct = self._write_file(shard, tmp, self._write_buffers(scratch, payload, raw))
+        except OSError as exc:
+            return self._write_failed(key, final, tmp, exc)
+        if direct or not self._synced:
+            return self._finish_write(key, fd, tmp, final, file_size, wait=False)
+        try:
+            _start_writeback(fd)
+        except OSError as exc:
+            os.close(fd)
+            return self._write_failed(key, final, tmp, exc)
+        return lambda: self._finish_write(key, fd, tmp, final, file_size, wait=True)
+
+    def _finish_write(self, key: BlockKey, fd: int, tmp: str, final: str, file_size: int, *,
+                      wait: bool) -> _Outcome:
+        """Wait for the write-back (``wait``), fsync if configured, close, rename into place, index."""
+        try:
+            try:
+                if wait:
+                    _wait_writeback(fd)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             with self._lock:
                 os.rename(tmp, final)
                 self._index_set(key, file_size)
             if self.fsync:
-                self._fsync_dir(shard)
+                self._fsync_dir(os.path.dirname(final))
             return _Outcome(None, file_size)
         except OSError as exc:
-            self._discard_failed_write(key, final, tmp)
-            kind = "enospc" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
-            log.debug("file tier %r: storing %s failed: %s", self.name, key, exc)
-            return _Outcome(kind)
+            return self._write_failed(key, final, tmp, exc)
+
+    def _write_failed(self, key: BlockKey, final: str, tmp: str, exc: OSError) -> _Outcome:
+        self._discard_failed_write(key, final, tmp)
+        kind = "enospc" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
+        log.debug("file tier %r: storing %s failed: %s", self.name, key, exc)
+        return _Outcome(kind)
 
     def _write_buffers(self, scratch: _Scratch, payload: memoryview, raw: np.ndarray) -> list[memoryview]:
         """The iovecs of a file: header page, payload, zero padding; page-aligned ones under O_DIRECT."""
@@ -523,7 +623,9 @@ class FileTier(Tier):
         body[size:padded] = 0
         return [scratch.write_page, body[:padded].data]
 
-    def _write_file(self, shard: str, tmp: str, buffers: list[memoryview]) -> None:
+    def _write_file(self, shard: str, tmp: str, buffers: list[memoryview]) -> tuple[int, bool]:
+        """Create ``tmp`` and write ``buffers`` to it; return the open descriptor and whether it was
+        written with O_DIRECT (an O_DIRECT refusal switches the tier to buffered writes and retries)."""
         self._ensure_dirs(shard)
         while True:
             direct = self._direct
@@ -541,8 +643,6 @@ class FileTier(Tier):
                 continue
             try:
                 _write_all(fd, buffers, 0)
-                if self.fsync:
-                    os.fsync(fd)
             except OSError as exc:
                 os.close(fd)
                 if not (direct and exc.errno == errno.EINVAL):
@@ -550,8 +650,7 @@ class FileTier(Tier):
                 os.unlink(tmp)
                 self._disable_direct(shard, exc)
                 continue
-            os.close(fd)
-            return
+            return fd, direct
 
     def _discard_failed_write(self, key: BlockKey, final: str, tmp: str) -> None:
         """After a failed put: no temp file, and no older version of the key (base contract)."""
