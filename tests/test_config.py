@@ -389,7 +389,8 @@ def test_redis_tier_without_redis_py_is_a_config_error(tmp_path: Path,
 
 @pytest.mark.parametrize(("keys", "mode"), [({}, "synced"), ({"write_io": "direct"}, "direct"),
                                             ({"write_io": "buffered"}, "buffered"),
-                                            ({"direct_io": False}, "buffered"), ({"direct_io": True}, "direct"),
+                                            ({"direct_io": False}, "buffered"),
+                                            ({"direct_io": True}, "direct"),
                                             ({"direct_io": False, "write_io": "synced"}, "synced")])
 def test_the_file_tier_write_io_key_and_its_older_direct_io_form(tmp_path: Path, keys: dict[str, Any],
                                                                  mode: str) -> None:

@@ -207,9 +207,11 @@ class FileTier(Tier):
         if compression not in ("none", "lz4"):
             raise KVTierConfigError("compression", f"must be 'none' or 'lz4', got {compression!r}")
         if write_io is not None and write_io not in WRITE_IO_MODES:
-            raise KVTierConfigError("write_io", f"must be one of {', '.join(WRITE_IO_MODES)}, got {write_io!r}")
+            raise KVTierConfigError("write_io",
+                                    f"must be one of {', '.join(WRITE_IO_MODES)}, got {write_io!r}")
         if write_io is not None and direct_io is not None and direct_io != (write_io == "direct"):
-            raise KVTierConfigError("write_io", f"{write_io} contradicts direct_io={direct_io}; give one of them")
+            raise KVTierConfigError("write_io",
+                                    f"{write_io} contradicts direct_io={direct_io}; give one of them")
         if write_io is None:
             write_io = DEFAULT_WRITE_IO if direct_io is None else "direct" if direct_io else "buffered"
         if not namespace or namespace in (".", "..") or "/" in namespace or "\0" in namespace:
@@ -236,7 +238,8 @@ class FileTier(Tier):
         self.namespace_fp = namespace_fingerprint(namespace) if namespace_fp is None else namespace_fp
         self._itemsize = {gid: layout.itemsize for gid, layout in self.layouts.items()}
         self._raw_file_size = {gid: PAGE + _round_up(layout.nbytes) for gid, layout in self.layouts.items()}
-        self._max_file_size = {gid: PAGE + _round_up(lz4_bound(layout.nbytes)) for gid, layout in self.layouts.items()}
+        self._max_file_size = {gid: PAGE + _round_up(lz4_bound(layout.nbytes))
+                               for gid, layout in self.layouts.items()}
         self._body_bytes = max((size - PAGE for size in self._max_file_size.values()), default=PAGE)
         self._local = threading.local()
         self._corrupt_log = LogLimiter(log, f"corrupt blocks dropped by file tier {name!r}")
@@ -278,7 +281,8 @@ class FileTier(Tier):
         return "direct" if self._direct else "synced" if self._synced else "buffered"
 
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
-        """Write each block to its file (temp + rename); the I/O threads share the batch (:meth:`_on_io_threads`).
+        """Write each block to its file (temp + rename); the I/O threads share the batch
+        (:meth:`_on_io_threads`).
 
         Called by the cache after it made room; blocks on nothing but the I/O threads. A block whose
         write fails (ENOSPC, EIO, any OSError) is ``False``: no temporary file is left and any older
@@ -288,7 +292,8 @@ class FileTier(Tier):
         self.check_buffers(keys, blocks, "blocks")
         for key in keys:
             if type(key.block_hash) is not bytes or len(key.block_hash) > MAX_HASH_BYTES:
-                raise ValueError(f"a block hash must be at most {MAX_HASH_BYTES} bytes, got {key.block_hash!r:.80}")
+                raise ValueError(f"a block hash must be at most {MAX_HASH_BYTES} bytes, "
+                                 f"got {key.block_hash!r:.80}")
         arrays = [self._host_array(block, "blocks") for block in blocks]
         last = {key: i for i, key in enumerate(keys)}
         start = time.perf_counter()
@@ -398,13 +403,15 @@ class FileTier(Tier):
         self.capacity_version += 1
         after, wanted = sum(fitted.values()), sum(configured.values())
         if after < before:
-            self._capacity_log.log("file tier %r: the disk under %s is full; effective capacity %d → %d bytes (configured %d): "
-                        "older blocks are evicted to keep storing", self.name, self.directory, before, after, wanted)
+            self._capacity_log.log("file tier %r: the disk under %s is full; effective capacity %d → %d "
+                                   "bytes (configured %d): older blocks are evicted to keep storing",
+                                   self.name, self.directory, before, after, wanted)
         else:
-            self._capacity_log.log("file tier %r: disk space came back; effective capacity %d → %d bytes (configured %d)",
-                        self.name, before, after, wanted)
+            self._capacity_log.log("file tier %r: disk space came back; effective capacity %d → %d bytes "
+                                   "(configured %d)", self.name, before, after, wanted)
 
-    async def _on_io_threads(self, work: Callable[..., _Outcome | _Finish | None], jobs: list[tuple[Any, ...]],
+    async def _on_io_threads(self, work: Callable[..., _Outcome | _Finish | None],
+                             jobs: list[tuple[Any, ...]],
                              later: Callable[..., _Outcome | None] | None = None) -> list[_Outcome]:
         """Run ``work(*job)`` for every job on the I/O threads: one executor task per thread, not per block.
 
@@ -451,7 +458,8 @@ class FileTier(Tier):
                 outcomes[index] = later(*job) or _NOT_RUN
 
         loop = asyncio.get_running_loop()
-        futures = [loop.run_in_executor(self._executor, drain) for _ in range(min(self._io_threads, len(jobs)))]
+        futures = [loop.run_in_executor(self._executor, drain)
+                   for _ in range(min(self._io_threads, len(jobs)))]
         try:
             await asyncio.shield(asyncio.gather(*futures))
         except BaseException:  # cancelled (or a bug in ``work``): stop, and let no thread outlive the call
@@ -494,16 +502,17 @@ class FileTier(Tier):
                 current = current / part
                 info = os.lstat(current)
                 if stat.S_ISLNK(info.st_mode) and info.st_uid not in (0, euid):
-                    raise KVTierConfigError("path", f"{self.root} is reached through the symbolic link {current}, "
-                                                    f"owned by uid {info.st_uid}; give a path without it")
+                    raise KVTierConfigError("path", f"{self.root} is reached through the symbolic link "
+                                                    f"{current}, owned by uid {info.st_uid}; "
+                                                    f"give a path without it")
         info = os.lstat(directory)
         if stat.S_ISLNK(info.st_mode):
             raise KVTierConfigError("path", f"{directory} is a symbolic link (to {os.readlink(directory)}); "
                                             f"give the directory itself")
         if info.st_uid != euid:
             raise KVTierConfigError("path", f"{directory} is owned by uid {info.st_uid}, not by this user "
-                                            f"(uid {euid}): another user could read the cache or plant blocks "
-                                            f"in it; use a directory of your own")
+                                            f"(uid {euid}): another user could read the cache or plant "
+                                            f"blocks in it; use a directory of your own")
 
     def _ensure_dirs(self, shard: str) -> None:
         if shard in self._made_dirs:
@@ -521,7 +530,8 @@ class FileTier(Tier):
         if self._direct:
             self._direct = False
             log.warning("file tier %r: O_DIRECT is not supported under %s (%s); writing through the "
-                        "page cache and waiting for the write-back instead", self.name, where, exc.strerror or exc)
+                        "page cache and waiting for the write-back instead",
+                        self.name, where, exc.strerror or exc)
 
     def _probe_direct_io(self) -> None:
         probe = self.directory / f".probe.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
@@ -710,7 +720,8 @@ class FileTier(Tier):
                                    expected_layout=self._fingerprints[key.group_id], expected_raw_len=nbytes,
                                    expected_namespace=self.namespace_fp)
             if file_size != PAGE + _round_up(header.payload_len) or got < PAGE + header.payload_len:
-                raise CorruptBlock(f"{got} bytes read of a {file_size}-byte file, payload is {header.payload_len} bytes")
+                raise CorruptBlock(f"{got} bytes read of a {file_size}-byte file, "
+                                   f"payload is {header.payload_len} bytes")
             payload = target[:header.payload_len]
             if into_out and header.compressed:
                 scratch.body[:header.payload_len] = payload
@@ -724,7 +735,8 @@ class FileTier(Tier):
                 self._index_pop(key)
             return _Outcome("missing")
         except CorruptBlock as exc:
-            self._corrupt_log.log("file tier %r: dropping corrupt block %s (%s): %s", self.name, key, path, exc)
+            self._corrupt_log.log("file tier %r: dropping corrupt block %s (%s): %s",
+                                  self.name, key, path, exc)
             self._unlink_indexed(key, path)
             return _Outcome("corrupt")
         except OSError as exc:
@@ -805,8 +817,9 @@ class FileTier(Tier):
         if skipped_groups:
             log.warning("file tier %r: leaving %s under %s alone: not KV-cache groups of this tier",
                         self.name, ", ".join(sorted(skipped_groups)), self.directory)
-        log.info("file tier %r: %d blocks indexed under %s (%d invalid and %d temporary files removed) in %.2fs",
-                 self.name, len(self._index), self.directory, invalid, removed_tmp, time.perf_counter() - start)
+        log.info("file tier %r: %d blocks indexed under %s (%d invalid and %d temporary files removed) "
+                 "in %.2fs", self.name, len(self._index), self.directory, invalid, removed_tmp,
+                 time.perf_counter() - start)
 
     def _scan_shard(self, shard: tuple[int, str, str]) -> _ShardScan:
         group_id, shard_name, shard_path = shard
@@ -823,7 +836,8 @@ class FileTier(Tier):
                 elif entry.name.endswith(BLOCK_SUFFIX):
                     key = self._parse_block_name(group_id, shard_name, entry.name)
                     info = entry.stat(follow_symlinks=False)
-                    if key is not None and stat.S_ISREG(info.st_mode) and self._valid_file(key, entry.path, info.st_size):
+                    if (key is not None and stat.S_ISREG(info.st_mode)
+                            and self._valid_file(key, entry.path, info.st_size)):
                         blocks.append((key, info.st_size))
                     else:
                         with contextlib.suppress(FileNotFoundError):
@@ -846,7 +860,8 @@ class FileTier(Tier):
             block_hash = bytes.fromhex(hex_hash)
         except ValueError:
             return None
-        if block_hash.hex() != hex_hash or len(block_hash) > MAX_HASH_BYTES or (hex_hash[:2] or "00") != shard:
+        if (block_hash.hex() != hex_hash or len(block_hash) > MAX_HASH_BYTES
+                or (hex_hash[:2] or "00") != shard):
             return None
         return BlockKey(block_hash, group_id)
 
@@ -871,7 +886,8 @@ class FileTier(Tier):
     # --- bookkeeping ---------------------------------------------------------------------------------
     def _host_array(self, block: torch.Tensor, what: str) -> np.ndarray:
         if block.device.type != "cpu":
-            raise LayoutMismatch(f"{what} for file tier {self.name!r} must be in host memory, got {block.device}")
+            raise LayoutMismatch(f"{what} for file tier {self.name!r} must be in host memory, "
+                                 f"got {block.device}")
         return block.numpy()
 
     def _count(self, outcome: _Outcome, *, write: bool) -> None:

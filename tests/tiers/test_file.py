@@ -159,8 +159,8 @@ def test_a_long_batch_shared_by_the_threads_keeps_every_result_in_place(tmp_path
     run(tier.close())
 
 
-def test_a_cancelled_get_takes_no_further_blocks_and_leaves_buffers_alone(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cancelled_get_takes_no_further_blocks_and_leaves_buffers_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Cancelling a get stops the I/O threads after the block each is reading; once the cancellation
     has returned, no thread writes into the caller's buffers."""
     tier = make_tier(tmp_path, io_threads=2)
@@ -330,8 +330,8 @@ def test_restart_keeps_blocks_and_rebuilds_index(tmp_path: Path) -> None:
     run(again.close())
 
 
-def test_start_removes_tmp_and_invalid_files_and_leaves_foreign_groups(tmp_path: Path,
-                                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_start_removes_tmp_and_invalid_files_and_leaves_foreign_groups(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tier = make_tier(tmp_path)
     good, other = key(1), key(2)
     assert all(run(tier.put([good, other], [random_block(0, 1), random_block(0, 2)])))
@@ -357,7 +357,8 @@ def test_start_removes_tmp_and_invalid_files_and_leaves_foreign_groups(tmp_path:
     with caplog.at_level(logging.INFO, logger="kvtier.tiers.file"):
         again = make_tier(tmp_path)
     assert set(again.keys()) == {good, other}
-    assert files_under(tier.directory / "g0") == {tier.path_of(good).name, tier.path_of(other).name, live.name}
+    assert files_under(tier.directory / "g0") == {tier.path_of(good).name, tier.path_of(other).name,
+                                                  live.name}
     assert list(tmp_path.rglob("*.tmp")) == [live]
     assert (foreign / "00.kvb").exists()
     assert "g7" in caplog.text and "4 invalid and 2 temporary files removed" in caplog.text
@@ -408,7 +409,8 @@ def test_file_deleted_under_the_tier_is_a_miss(tmp_path: Path) -> None:
     run(tier.close())
 
 
-def test_enospc_on_store_is_false_leaves_nothing_and_recovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_enospc_on_store_is_false_leaves_nothing_and_recovers(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     tier = make_tier(tmp_path)
     old = key(7)
     assert all(run(tier.put([old], [random_block(0, 70)])))
@@ -554,7 +556,8 @@ OPS = st.lists(st.tuples(st.sampled_from(["put", "put_fail", "delete", "restart"
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
-def test_index_always_matches_files_on_disk(ops: list[tuple[str, list[int]]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_index_always_matches_files_on_disk(ops: list[tuple[str, list[int]]],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     real_pwritev = os.pwritev
     fail = {"on": False}
 
@@ -572,7 +575,8 @@ def test_index_always_matches_files_on_disk(ops: list[tuple[str, list[int]]], mo
             if op in ("put", "put_fail"):
                 fail["on"] = op == "put_fail"
                 seeds = [step * 10 + n for n in range(len(keys))]
-                ok = run(tier.put(keys, [random_block(k.group_id, s) for k, s in zip(keys, seeds, strict=True)]))
+                blocks = [random_block(k.group_id, s) for k, s in zip(keys, seeds, strict=True)]
+                ok = run(tier.put(keys, blocks))
                 fail["on"] = False
                 assert all(ok) == (op == "put")
                 for k, s in zip(keys, seeds, strict=True):
