@@ -228,6 +228,8 @@ class FileTier(Tier):
         #: how writes go to the disk (see :attr:`write_io_active` for what they do now)
         self.write_io: WriteIO = write_io
         self._direct = write_io == "direct"
+        #: O_DIRECT reads (``direct_reads``), whatever the write mode, until the filesystem refuses O_DIRECT
+        self._direct_reads = direct_reads
         #: buffered writes wait for their write-back before the put returns (``synced``, or a
         #: ``direct`` tier whose filesystem refused O_DIRECT)
         self._synced = write_io != "buffered"
@@ -258,7 +260,7 @@ class FileTier(Tier):
             self._refuse_unsafe(self.root, ancestors=True)
             self._make_dir(self.directory)
             self._refuse_unsafe(self.directory, ancestors=False)
-            if self._direct:
+            if self._direct or self._direct_reads:
                 self._probe_direct_io()
             self._scan()
             self._chains = ChainLog(self.directory / CHAIN_LOG)
@@ -272,7 +274,7 @@ class FileTier(Tier):
     # --- public API ------------------------------------------------------------------------------
     @property
     def direct_io_active(self) -> bool:
-        """Whether writes (and reads, with ``direct_reads``) use ``O_DIRECT`` now."""
+        """Whether writes use ``O_DIRECT`` now (reads do with ``direct_reads``, in every write mode)."""
         return self._direct
 
     @property
@@ -527,11 +529,12 @@ class FileTier(Tier):
 
     # --- O_DIRECT ------------------------------------------------------------------------------------
     def _disable_direct(self, where: str | Path, exc: OSError) -> None:
-        if self._direct:
-            self._direct = False
-            log.warning("file tier %r: O_DIRECT is not supported under %s (%s); writing through the "
-                        "page cache and waiting for the write-back instead",
-                        self.name, where, exc.strerror or exc)
+        if self._direct or self._direct_reads:
+            instead = ("writing through the page cache and waiting for the write-back instead" if self._direct
+                       else "reading through the page cache instead")
+            log.warning("file tier %r: O_DIRECT is not supported under %s (%s); %s",
+                        self.name, where, exc.strerror or exc, instead)
+        self._direct = self._direct_reads = False
 
     def _probe_direct_io(self) -> None:
         probe = self.directory / f".probe.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
@@ -684,7 +687,7 @@ class FileTier(Tier):
         puts all its reads in flight together instead of ``io_threads`` at a time, and a warm block
         costs the same single ``preadv`` as before.
         """
-        if not self._nowait or (self._direct and self.direct_reads):
+        if not self._nowait or self._direct_reads:
             return self._read_block(key, file_size, out)
         return self._read_block(key, file_size, out, nowait=True)
 
@@ -694,7 +697,7 @@ class FileTier(Tier):
         shard, hex_hash = self._locate(key)
         path = f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
         scratch = self._scratch()
-        direct = self._direct and self.direct_reads
+        direct = self._direct_reads
         try:
             into_out = file_size == self._raw_file_size[key.group_id] and (not direct or _aligned(out))
             if into_out:

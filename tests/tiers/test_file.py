@@ -729,3 +729,26 @@ def test_a_cancelled_synced_put_finishes_the_writes_it_started(tmp_path: Path,
         ok, out = get_one(tier, k)
         assert ok and torch.equal(out, random_block(0, i))
     run(tier.close())
+
+
+@pytest.mark.parametrize("write_io", ["synced", "buffered", "direct"])
+def test_direct_reads_use_o_direct_in_every_write_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       write_io: str) -> None:
+    tier = make_tier(tmp_path, write_io=write_io, direct_reads=True)
+    keys = [key(1), key(2, 1)]
+    blocks = [random_block(0, 1), random_block(1, 2)]
+    assert run(tier.put(keys, blocks)) == [True, True]
+    opened: list[int] = []
+    real_open = os.open
+
+    def spy_open(path, flags, *args, **kwargs):
+        if str(path).endswith(".kvb"):
+            opened.append(flags)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spy_open)
+    for k, block in zip(keys, blocks, strict=True):
+        ok, out = get_one(tier, k)
+        assert ok and torch.equal(out, block)
+    assert len(opened) == 2 and all(flags & os.O_DIRECT for flags in opened)
+    run(tier.close())
