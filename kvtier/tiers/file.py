@@ -180,7 +180,13 @@ _Finish = Callable[[], _Outcome]
 class FileTier(Tier):
     """Blocks as files under ``root/namespace``; see the module docstring for format and I/O choices.
 
-    Construction creates ``root/namespace`` (0700), probes ``O_DIRECT``, removes leftover temporary
+    ``write_io`` says how a put reaches the disk: ``synced`` (the default: through the page cache, each
+    file's write-back started as it is written and waited for before the put returns), ``direct``
+    (``O_DIRECT``) or ``buffered`` (written back by the kernel later); ``direct_io`` is its older form
+    (``True``: ``direct``, ``False``: ``buffered``). docs/file-tier.md says what each promises.
+
+    Construction creates ``root/namespace`` (0700), probes ``O_DIRECT`` (for ``direct`` writes or
+    ``direct_reads``), removes leftover temporary
     files and rebuilds the index by scanning the tree and validating each file's size and header page
     (invalid files are deleted; directories of groups not in ``layouts`` are left alone). It blocks
     for that scan and raises :class:`TierUnavailable` if the directory cannot be created or written, and
