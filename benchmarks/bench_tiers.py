@@ -210,8 +210,8 @@ def bench_file(args: argparse.Namespace, layout: BlockLayout, root: Path, rows: 
     def tier_put(threads: int) -> float:
         shutil.rmtree(root / namespace, ignore_errors=True)
         t = tier(threads)
-        if not t.direct_io_active and "O_DIRECT" not in " ".join(notes):
-            notes.append("O_DIRECT is not supported here: the file tier fell back to buffered writes")
+        if t.write_io_active != t.write_io and "O_DIRECT" not in " ".join(notes):
+            notes.append("O_DIRECT is not supported here: the file tier fell back to synced buffered writes")
         drop_caches()
         gbps = timed(total, asyncio.run, put_all(t))
         asyncio.run(t.close())

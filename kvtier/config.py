@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -169,9 +170,21 @@ class FileTierConfig(TierBase):
     type: Literal["file"]
     path: str = Field(min_length=1)
     compression: Literal["none", "lz4"] = "none"
-    direct_io: bool = True
+    #: the older switch: ``true`` is ``write_io: direct``, ``false`` is ``write_io: buffered``
+    direct_io: bool | None = None
+    #: ``None``: the file tier's default (docs/file-tier.md), or what ``direct_io`` says
+    write_io: Literal["direct", "synced", "buffered"] | None = None
     io_threads: int = Field(default=4, gt=0, le=256)
     fsync: bool = False
+
+    @field_validator("write_io")
+    @classmethod
+    def _write_io(cls, value: str | None, info: ValidationInfo) -> str | None:
+        direct_io = info.data.get("direct_io")
+        if value is not None and direct_io is not None and direct_io != (value == "direct"):
+            raise ValueError(f"write_io: {value} contradicts direct_io: {str(direct_io).lower()}; "
+                             f"set only write_io (direct_io is the older form of it)")
+        return value
 
     @field_validator("path")
     @classmethod
@@ -588,7 +601,8 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
         try:
             return FileTier(name, layouts, split_capacity(tc.capacity, spec), root=root,
                             namespace=namespace.id, compression=tc.compression, direct_io=tc.direct_io,
-                            io_threads=tc.io_threads, fsync=tc.fsync, namespace_fp=namespace.fingerprint)
+                            write_io=tc.write_io, io_threads=tc.io_threads, fsync=tc.fsync,
+                            namespace_fp=namespace.fingerprint)
         except KVTierConfigError as exc:  # e.g. a directory another user controls: keyed by this tier
             raise KVTierConfigError(f"{path}.{exc.path}", str(exc).removeprefix(f"{exc.path}: ")) from None
         except (OSError, TierUnavailable) as exc:

@@ -385,3 +385,37 @@ def test_redis_tier_without_redis_py_is_a_config_error(tmp_path: Path,
     build_cache_parts(load_config(base(tmp_path)))
     with pytest.raises(KVTierConfigError, match=r"^tiers\[2\]: .*pip install 'kvtier\[redis\]'"):
         build_cache_parts(load_config(redis_config(tmp_path)))
+
+
+@pytest.mark.parametrize(("keys", "mode"), [({}, "synced"), ({"write_io": "direct"}, "direct"),
+                                            ({"write_io": "buffered"}, "buffered"),
+                                            ({"direct_io": False}, "buffered"),
+                                            ({"direct_io": True}, "direct"),
+                                            ({"direct_io": False, "write_io": "synced"}, "synced")])
+def test_the_file_tier_write_io_key_and_its_older_direct_io_form(tmp_path: Path, keys: dict[str, Any],
+                                                                 mode: str) -> None:
+    import asyncio
+
+    from kvtier.config import build_cache_parts
+
+    cfg = base(tmp_path)
+    cfg["tiers"][1].update(keys)
+    loaded = load_config(cfg)
+    assert loaded.tiers[1].write_io == keys.get("write_io")  # type: ignore[union-attr]
+    _, tiers, _, _ = build_cache_parts(loaded)
+    try:
+        assert tiers[1].kind == "file" and tiers[1].write_io_active == mode  # type: ignore[attr-defined]
+    finally:
+        for tier in tiers:
+            asyncio.run(tier.close())
+
+
+def test_a_bad_or_contradicting_file_write_io_names_the_key(tmp_path: Path) -> None:
+    cfg = base(tmp_path)
+    cfg["tiers"][1]["write_io"] = "fast"
+    assert error_for(cfg).startswith("tiers[1].write_io: Input should be 'direct', 'synced' or 'buffered'")
+    cfg["tiers"][1].update(write_io="synced", direct_io=True)
+    assert error_for(cfg).startswith("tiers[1].write_io: Value error, write_io: synced contradicts "
+                                     "direct_io: true")
+    cfg["tiers"][1].update(write_io="direct", direct_io=False)
+    assert "write_io: direct contradicts direct_io: false" in error_for(cfg)

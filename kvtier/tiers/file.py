@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import logging
 import mmap
@@ -65,6 +67,45 @@ _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)  # Linux 4.14+; elsewhere every 
 DISK_RECHECK_SECONDS = 1.0
 
 Compression = Literal["none", "lz4"]
+WriteIO = Literal["direct", "synced", "buffered"]
+WRITE_IO_MODES: tuple[WriteIO, ...] = ("direct", "synced", "buffered")
+#: ``write_io`` when neither it nor ``direct_io`` is given (why: docs/file-tier.md)
+DEFAULT_WRITE_IO: WriteIO = "synced"
+_SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4  # sync_file_range(2) flags (Linux)
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux; ``os`` does not expose it); ``None`` elsewhere."""
+    name = ctypes.util.find_library("c")
+    func = getattr(ctypes.CDLL(name, use_errno=True), "sync_file_range", None) if name else None
+    if func is None:
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    func.restype = ctypes.c_int
+    return func
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing the file's dirty pages to the device; do not wait (``sync_file_range(WRITE)``)."""
+    if _SYNC_FILE_RANGE is not None and _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_WRITE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"sync_file_range: {os.strerror(code)}")
+
+
+def _wait_writeback(fd: int) -> None:
+    """Return once every page written to ``fd`` has been written to the device.
+
+    ``sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)`` writes and waits for the data and nothing
+    else (no metadata, no device cache flush), which is what an ``O_DIRECT`` write gives; where it is
+    missing, ``fdatasync`` (which gives more)."""
+    if _SYNC_FILE_RANGE is None:
+        os.fdatasync(fd)
+    elif _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"sync_file_range: {os.strerror(code)}")
 
 
 def _round_up(nbytes: int) -> int:
@@ -132,12 +173,20 @@ class _Outcome(NamedTuple):
 
 
 _NOT_RUN = _Outcome("io")  # placeholder of a job a failed or cancelled batch never ran
+#: the rest of a job, run by its I/O thread once the batch's queue is empty (a synced write's wait)
+_Finish = Callable[[], _Outcome]
 
 
 class FileTier(Tier):
     """Blocks as files under ``root/namespace``; see the module docstring for format and I/O choices.
 
-    Construction creates ``root/namespace`` (0700), probes ``O_DIRECT``, removes leftover temporary
+    ``write_io`` says how a put reaches the disk: ``synced`` (the default: through the page cache, each
+    file's write-back started as it is written and waited for before the put returns), ``direct``
+    (``O_DIRECT``) or ``buffered`` (written back by the kernel later); ``direct_io`` is its older form
+    (``True``: ``direct``, ``False``: ``buffered``). docs/file-tier.md says what each promises.
+
+    Construction creates ``root/namespace`` (0700), probes ``O_DIRECT`` (for ``direct`` writes or
+    ``direct_reads``), removes leftover temporary
     files and rebuilds the index by scanning the tree and validating each file's size and header page
     (invalid files are deleted; directories of groups not in ``layouts`` are left alone). It blocks
     for that scan and raises :class:`TierUnavailable` if the directory cannot be created or written, and
@@ -156,12 +205,21 @@ class FileTier(Tier):
     kind = "file"
 
     def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int], *,
-                 root: str | Path, namespace: str, compression: Compression = "none", direct_io: bool = True,
+                 root: str | Path, namespace: str, compression: Compression = "none",
+                 direct_io: bool | None = None, write_io: WriteIO | None = None,
                  direct_reads: bool = False, io_threads: int = 4, fsync: bool = False,
                  namespace_fp: int | None = None) -> None:
         super().__init__(name, layouts, capacity_bytes)
         if compression not in ("none", "lz4"):
             raise KVTierConfigError("compression", f"must be 'none' or 'lz4', got {compression!r}")
+        if write_io is not None and write_io not in WRITE_IO_MODES:
+            raise KVTierConfigError("write_io",
+                                    f"must be one of {', '.join(WRITE_IO_MODES)}, got {write_io!r}")
+        if write_io is not None and direct_io is not None and direct_io != (write_io == "direct"):
+            raise KVTierConfigError("write_io",
+                                    f"{write_io} contradicts direct_io={direct_io}; give one of them")
+        if write_io is None:
+            write_io = DEFAULT_WRITE_IO if direct_io is None else "direct" if direct_io else "buffered"
         if not namespace or namespace in (".", "..") or "/" in namespace or "\0" in namespace:
             raise KVTierConfigError("namespace", f"{namespace!r} is not a usable directory name")
         if io_threads < 1:
@@ -173,7 +231,14 @@ class FileTier(Tier):
         self.compression: Compression = compression
         self.direct_reads = direct_reads
         self.fsync = fsync
-        self._direct = direct_io
+        #: how writes go to the disk (see :attr:`write_io_active` for what they do now)
+        self.write_io: WriteIO = write_io
+        self._direct = write_io == "direct"
+        #: O_DIRECT reads (``direct_reads``), whatever the write mode, until the filesystem refuses O_DIRECT
+        self._direct_reads = direct_reads
+        #: buffered writes wait for their write-back before the put returns (``synced``, or a
+        #: ``direct`` tier whose filesystem refused O_DIRECT)
+        self._synced = write_io != "buffered"
         #: first try each read from the page cache alone (see :meth:`_read_cached_block`)
         self._nowait = _RWF_NOWAIT != 0 and hasattr(os, "posix_fadvise")
         self._fingerprints = {gid: layout.fingerprint() for gid, layout in self.layouts.items()}
@@ -181,7 +246,8 @@ class FileTier(Tier):
         self.namespace_fp = namespace_fingerprint(namespace) if namespace_fp is None else namespace_fp
         self._itemsize = {gid: layout.itemsize for gid, layout in self.layouts.items()}
         self._raw_file_size = {gid: PAGE + _round_up(layout.nbytes) for gid, layout in self.layouts.items()}
-        self._max_file_size = {gid: PAGE + _round_up(lz4_bound(layout.nbytes)) for gid, layout in self.layouts.items()}
+        self._max_file_size = {gid: PAGE + _round_up(lz4_bound(layout.nbytes))
+                               for gid, layout in self.layouts.items()}
         self._body_bytes = max((size - PAGE for size in self._max_file_size.values()), default=PAGE)
         self._local = threading.local()
         self._corrupt_log = LogLimiter(log, f"corrupt blocks dropped by file tier {name!r}")
@@ -200,7 +266,7 @@ class FileTier(Tier):
             self._refuse_unsafe(self.root, ancestors=True)
             self._make_dir(self.directory)
             self._refuse_unsafe(self.directory, ancestors=False)
-            if direct_io:
+            if self._direct or self._direct_reads:
                 self._probe_direct_io()
             self._scan()
             self._chains = ChainLog(self.directory / CHAIN_LOG)
@@ -214,11 +280,17 @@ class FileTier(Tier):
     # --- public API ------------------------------------------------------------------------------
     @property
     def direct_io_active(self) -> bool:
-        """Whether writes (and reads, with ``direct_reads``) use ``O_DIRECT`` now."""
+        """Whether writes use ``O_DIRECT`` now (reads do with ``direct_reads``, in every write mode)."""
         return self._direct
 
+    @property
+    def write_io_active(self) -> WriteIO:
+        """How writes go to the disk now: ``write_io``, or ``synced`` where O_DIRECT was refused."""
+        return "direct" if self._direct else "synced" if self._synced else "buffered"
+
     async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
-        """Write each block to its file (temp + rename); the I/O threads share the batch (:meth:`_on_io_threads`).
+        """Write each block to its file (temp + rename); the I/O threads share the batch
+        (:meth:`_on_io_threads`).
 
         Called by the cache after it made room; blocks on nothing but the I/O threads. A block whose
         write fails (ENOSPC, EIO, any OSError) is ``False``: no temporary file is left and any older
@@ -228,7 +300,8 @@ class FileTier(Tier):
         self.check_buffers(keys, blocks, "blocks")
         for key in keys:
             if type(key.block_hash) is not bytes or len(key.block_hash) > MAX_HASH_BYTES:
-                raise ValueError(f"a block hash must be at most {MAX_HASH_BYTES} bytes, got {key.block_hash!r:.80}")
+                raise ValueError(f"a block hash must be at most {MAX_HASH_BYTES} bytes, "
+                                 f"got {key.block_hash!r:.80}")
         arrays = [self._host_array(block, "blocks") for block in blocks]
         last = {key: i for i, key in enumerate(keys)}
         start = time.perf_counter()
@@ -338,18 +411,22 @@ class FileTier(Tier):
         self.capacity_version += 1
         after, wanted = sum(fitted.values()), sum(configured.values())
         if after < before:
-            self._capacity_log.log("file tier %r: the disk under %s is full; effective capacity %d → %d bytes (configured %d): "
-                        "older blocks are evicted to keep storing", self.name, self.directory, before, after, wanted)
+            self._capacity_log.log("file tier %r: the disk under %s is full; effective capacity %d → %d "
+                                   "bytes (configured %d): older blocks are evicted to keep storing",
+                                   self.name, self.directory, before, after, wanted)
         else:
-            self._capacity_log.log("file tier %r: disk space came back; effective capacity %d → %d bytes (configured %d)",
-                        self.name, before, after, wanted)
+            self._capacity_log.log("file tier %r: disk space came back; effective capacity %d → %d bytes "
+                                   "(configured %d)", self.name, before, after, wanted)
 
-    async def _on_io_threads(self, work: Callable[..., _Outcome | None], jobs: list[tuple[Any, ...]],
+    async def _on_io_threads(self, work: Callable[..., _Outcome | _Finish | None],
+                             jobs: list[tuple[Any, ...]],
                              later: Callable[..., _Outcome | None] | None = None) -> list[_Outcome]:
         """Run ``work(*job)`` for every job on the I/O threads: one executor task per thread, not per block.
 
         ``work`` may return ``None`` to put a job off: the thread runs ``later(*job)`` for it once the
-        shared queue is empty (cold reads: see :meth:`_read_cached_block`).
+        shared queue is empty (cold reads: see :meth:`_read_cached_block`). It may also return the
+        rest of the job as a function, which the thread runs once the queue is empty even if the call
+        was cancelled (a synced write waits for its write-back, then renames: see :meth:`_write_block`).
 
         Up to ``io_threads`` tasks drain one shared queue (``deque.popleft`` is atomic), so a slow file
         holds up only its own thread and a batch costs a few futures instead of one per block (about
@@ -366,23 +443,31 @@ class FileTier(Tier):
 
         def drain() -> None:
             deferred: list[tuple[int, tuple[Any, ...]]] = []
-            while not stop.is_set():
-                try:
-                    index, job = queue.popleft()
-                except IndexError:
-                    break
-                outcome = work(*job)
-                if outcome is None:
-                    deferred.append((index, job))
-                else:
-                    outcomes[index] = outcome
+            finishing: list[tuple[int, _Finish]] = []
+            try:
+                while not stop.is_set():
+                    try:
+                        index, job = queue.popleft()
+                    except IndexError:
+                        break
+                    outcome = work(*job)
+                    if outcome is None:
+                        deferred.append((index, job))
+                    elif isinstance(outcome, _Outcome):
+                        outcomes[index] = outcome
+                    else:
+                        finishing.append((index, outcome))
+            finally:  # started writes are finished (or discarded) whatever happens
+                for index, finish in finishing:
+                    outcomes[index] = finish()
             for index, job in deferred:
                 if stop.is_set() or later is None:
                     return
                 outcomes[index] = later(*job) or _NOT_RUN
 
         loop = asyncio.get_running_loop()
-        futures = [loop.run_in_executor(self._executor, drain) for _ in range(min(self._io_threads, len(jobs)))]
+        futures = [loop.run_in_executor(self._executor, drain)
+                   for _ in range(min(self._io_threads, len(jobs)))]
         try:
             await asyncio.shield(asyncio.gather(*futures))
         except BaseException:  # cancelled (or a bug in ``work``): stop, and let no thread outlive the call
@@ -425,16 +510,17 @@ class FileTier(Tier):
                 current = current / part
                 info = os.lstat(current)
                 if stat.S_ISLNK(info.st_mode) and info.st_uid not in (0, euid):
-                    raise KVTierConfigError("path", f"{self.root} is reached through the symbolic link {current}, "
-                                                    f"owned by uid {info.st_uid}; give a path without it")
+                    raise KVTierConfigError("path", f"{self.root} is reached through the symbolic link "
+                                                    f"{current}, owned by uid {info.st_uid}; "
+                                                    f"give a path without it")
         info = os.lstat(directory)
         if stat.S_ISLNK(info.st_mode):
             raise KVTierConfigError("path", f"{directory} is a symbolic link (to {os.readlink(directory)}); "
                                             f"give the directory itself")
         if info.st_uid != euid:
             raise KVTierConfigError("path", f"{directory} is owned by uid {info.st_uid}, not by this user "
-                                            f"(uid {euid}): another user could read the cache or plant blocks "
-                                            f"in it; use a directory of your own")
+                                            f"(uid {euid}): another user could read the cache or plant "
+                                            f"blocks in it; use a directory of your own")
 
     def _ensure_dirs(self, shard: str) -> None:
         if shard in self._made_dirs:
@@ -449,10 +535,12 @@ class FileTier(Tier):
 
     # --- O_DIRECT ------------------------------------------------------------------------------------
     def _disable_direct(self, where: str | Path, exc: OSError) -> None:
-        if self._direct:
-            self._direct = False
-            log.warning("file tier %r: O_DIRECT is not supported under %s (%s); using buffered I/O",
-                        self.name, where, exc.strerror or exc)
+        if self._direct or self._direct_reads:
+            instead = ("writing through the page cache and waiting for the write-back instead" if self._direct
+                       else "reading through the page cache instead")
+            log.warning("file tier %r: O_DIRECT is not supported under %s (%s); %s",
+                        self.name, where, exc.strerror or exc, instead)
+        self._direct = self._direct_reads = False
 
     def _probe_direct_io(self) -> None:
         probe = self.directory / f".probe.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
@@ -485,29 +573,60 @@ class FileTier(Tier):
         return scratch
 
     # --- block I/O (runs on the executor threads) ---------------------------------------------------
-    def _write_block(self, key: BlockKey, raw: np.ndarray) -> _Outcome:
+    def _write_block(self, key: BlockKey, raw: np.ndarray) -> _Outcome | _Finish:
+        """Write ``key``'s temporary file; rename it into place now, or (synced buffered writes) return
+        the rest as a function, after starting the file's write-back.
+
+        The I/O thread runs that function once it has written its share of the batch: the write-backs
+        of its files are then in flight together, and each wait finds its file mostly written.
+        """
         shard, hex_hash = self._locate(key)
         final = f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
         tmp = f"{shard}/.{hex_hash}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
-            header, payload = encode_block(key, self._fingerprints[key.group_id], raw, namespace_fp=self.namespace_fp,
-                                           compress=self.compression == "lz4",
+            header, payload = encode_block(key, self._fingerprints[key.group_id], raw,
+                                           namespace_fp=self.namespace_fp, compress=self.compression == "lz4",
                                            shuffle_itemsize=self._itemsize[key.group_id])
             file_size = PAGE + _round_up(payload.nbytes)
             scratch = self._scratch()
             scratch.write_page[:HEADER_SIZE] = header
-            self._write_file(shard, tmp, self._write_buffers(scratch, payload, raw))
+            fd, direct = self._write_file(shard, tmp, self._write_buffers(scratch, payload, raw))
+        except OSError as exc:
+            return self._write_failed(key, final, tmp, exc)
+        if direct or not self._synced:
+            return self._finish_write(key, fd, tmp, final, file_size, wait=False)
+        try:
+            _start_writeback(fd)
+        except OSError as exc:
+            os.close(fd)
+            return self._write_failed(key, final, tmp, exc)
+        return lambda: self._finish_write(key, fd, tmp, final, file_size, wait=True)
+
+    def _finish_write(self, key: BlockKey, fd: int, tmp: str, final: str, file_size: int, *,
+                      wait: bool) -> _Outcome:
+        """Wait for the write-back (``wait``), fsync if configured, close, rename into place, index."""
+        try:
+            try:
+                if wait:
+                    _wait_writeback(fd)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             with self._lock:
                 os.rename(tmp, final)
                 self._index_set(key, file_size)
             if self.fsync:
-                self._fsync_dir(shard)
+                self._fsync_dir(os.path.dirname(final))
             return _Outcome(None, file_size)
         except OSError as exc:
-            self._discard_failed_write(key, final, tmp)
-            kind = "enospc" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
-            log.debug("file tier %r: storing %s failed: %s", self.name, key, exc)
-            return _Outcome(kind)
+            return self._write_failed(key, final, tmp, exc)
+
+    def _write_failed(self, key: BlockKey, final: str, tmp: str, exc: OSError) -> _Outcome:
+        self._discard_failed_write(key, final, tmp)
+        kind = "enospc" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
+        log.debug("file tier %r: storing %s failed: %s", self.name, key, exc)
+        return _Outcome(kind)
 
     def _write_buffers(self, scratch: _Scratch, payload: memoryview, raw: np.ndarray) -> list[memoryview]:
         """The iovecs of a file: header page, payload, zero padding; page-aligned ones under O_DIRECT."""
@@ -523,7 +642,9 @@ class FileTier(Tier):
         body[size:padded] = 0
         return [scratch.write_page, body[:padded].data]
 
-    def _write_file(self, shard: str, tmp: str, buffers: list[memoryview]) -> None:
+    def _write_file(self, shard: str, tmp: str, buffers: list[memoryview]) -> tuple[int, bool]:
+        """Create ``tmp`` and write ``buffers`` to it; return the open descriptor and whether it was
+        written with O_DIRECT (an O_DIRECT refusal switches the tier to buffered writes and retries)."""
         self._ensure_dirs(shard)
         while True:
             direct = self._direct
@@ -541,8 +662,6 @@ class FileTier(Tier):
                 continue
             try:
                 _write_all(fd, buffers, 0)
-                if self.fsync:
-                    os.fsync(fd)
             except OSError as exc:
                 os.close(fd)
                 if not (direct and exc.errno == errno.EINVAL):
@@ -550,8 +669,7 @@ class FileTier(Tier):
                 os.unlink(tmp)
                 self._disable_direct(shard, exc)
                 continue
-            os.close(fd)
-            return
+            return fd, direct
 
     def _discard_failed_write(self, key: BlockKey, final: str, tmp: str) -> None:
         """After a failed put: no temp file, and no older version of the key (base contract)."""
@@ -575,7 +693,7 @@ class FileTier(Tier):
         puts all its reads in flight together instead of ``io_threads`` at a time, and a warm block
         costs the same single ``preadv`` as before.
         """
-        if not self._nowait or (self._direct and self.direct_reads):
+        if not self._nowait or self._direct_reads:
             return self._read_block(key, file_size, out)
         return self._read_block(key, file_size, out, nowait=True)
 
@@ -585,7 +703,7 @@ class FileTier(Tier):
         shard, hex_hash = self._locate(key)
         path = f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
         scratch = self._scratch()
-        direct = self._direct and self.direct_reads
+        direct = self._direct_reads
         try:
             into_out = file_size == self._raw_file_size[key.group_id] and (not direct or _aligned(out))
             if into_out:
@@ -611,7 +729,8 @@ class FileTier(Tier):
                                    expected_layout=self._fingerprints[key.group_id], expected_raw_len=nbytes,
                                    expected_namespace=self.namespace_fp)
             if file_size != PAGE + _round_up(header.payload_len) or got < PAGE + header.payload_len:
-                raise CorruptBlock(f"{got} bytes read of a {file_size}-byte file, payload is {header.payload_len} bytes")
+                raise CorruptBlock(f"{got} bytes read of a {file_size}-byte file, "
+                                   f"payload is {header.payload_len} bytes")
             payload = target[:header.payload_len]
             if into_out and header.compressed:
                 scratch.body[:header.payload_len] = payload
@@ -625,7 +744,8 @@ class FileTier(Tier):
                 self._index_pop(key)
             return _Outcome("missing")
         except CorruptBlock as exc:
-            self._corrupt_log.log("file tier %r: dropping corrupt block %s (%s): %s", self.name, key, path, exc)
+            self._corrupt_log.log("file tier %r: dropping corrupt block %s (%s): %s",
+                                  self.name, key, path, exc)
             self._unlink_indexed(key, path)
             return _Outcome("corrupt")
         except OSError as exc:
@@ -706,8 +826,9 @@ class FileTier(Tier):
         if skipped_groups:
             log.warning("file tier %r: leaving %s under %s alone: not KV-cache groups of this tier",
                         self.name, ", ".join(sorted(skipped_groups)), self.directory)
-        log.info("file tier %r: %d blocks indexed under %s (%d invalid and %d temporary files removed) in %.2fs",
-                 self.name, len(self._index), self.directory, invalid, removed_tmp, time.perf_counter() - start)
+        log.info("file tier %r: %d blocks indexed under %s (%d invalid and %d temporary files removed) "
+                 "in %.2fs", self.name, len(self._index), self.directory, invalid, removed_tmp,
+                 time.perf_counter() - start)
 
     def _scan_shard(self, shard: tuple[int, str, str]) -> _ShardScan:
         group_id, shard_name, shard_path = shard
@@ -724,7 +845,8 @@ class FileTier(Tier):
                 elif entry.name.endswith(BLOCK_SUFFIX):
                     key = self._parse_block_name(group_id, shard_name, entry.name)
                     info = entry.stat(follow_symlinks=False)
-                    if key is not None and stat.S_ISREG(info.st_mode) and self._valid_file(key, entry.path, info.st_size):
+                    if (key is not None and stat.S_ISREG(info.st_mode)
+                            and self._valid_file(key, entry.path, info.st_size)):
                         blocks.append((key, info.st_size))
                     else:
                         with contextlib.suppress(FileNotFoundError):
@@ -747,7 +869,8 @@ class FileTier(Tier):
             block_hash = bytes.fromhex(hex_hash)
         except ValueError:
             return None
-        if block_hash.hex() != hex_hash or len(block_hash) > MAX_HASH_BYTES or (hex_hash[:2] or "00") != shard:
+        if (block_hash.hex() != hex_hash or len(block_hash) > MAX_HASH_BYTES
+                or (hex_hash[:2] or "00") != shard):
             return None
         return BlockKey(block_hash, group_id)
 
@@ -772,7 +895,8 @@ class FileTier(Tier):
     # --- bookkeeping ---------------------------------------------------------------------------------
     def _host_array(self, block: torch.Tensor, what: str) -> np.ndarray:
         if block.device.type != "cpu":
-            raise LayoutMismatch(f"{what} for file tier {self.name!r} must be in host memory, got {block.device}")
+            raise LayoutMismatch(f"{what} for file tier {self.name!r} must be in host memory, "
+                                 f"got {block.device}")
         return block.numpy()
 
     def _count(self, outcome: _Outcome, *, write: bool) -> None:

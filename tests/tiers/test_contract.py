@@ -27,6 +27,7 @@ from kvtier.errors import LayoutMismatch
 from kvtier.layout import BlockLayout
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import PAGE
+from kvtier.tiers.file import WriteIO
 
 #: Two groups of different block sizes: 16 KiB fp16 and 4 KiB bf16 (not a page multiple on disk).
 LAYOUTS = {
@@ -76,11 +77,12 @@ def _cpu(tmp_path: Path, request: pytest.FixtureRequest) -> Subject:
     return Subject(CpuTier("cpu", LAYOUTS, CAPACITY, pinned=False))
 
 
-def _file(tmp_path: Path, request: pytest.FixtureRequest) -> Subject:
+def _file(tmp_path: Path, request: pytest.FixtureRequest, write_io: WriteIO | None = None) -> Subject:
     from kvtier.tiers.file import FileTier
 
     root = tmp_path / "cache"
-    tier = FileTier("file", LAYOUTS, CAPACITY, root=root, namespace="contract", io_threads=2)
+    tier = FileTier("file", LAYOUTS, CAPACITY, root=root, namespace="contract", io_threads=2,
+                    write_io=write_io)
 
     def break_backend() -> None:
         # The tier's directory is replaced by a regular file: every open and write fails with ENOTDIR.
@@ -140,7 +142,16 @@ def _gpu(tmp_path: Path, request: pytest.FixtureRequest) -> Subject:
     return Subject(GpuTier("gpu", LAYOUTS, CAPACITY, device=0))
 
 
-MAKERS = {"cpu": _cpu, "file": _file, "redis": _redis, "redis_cluster": _redis_cluster,
+def _file_direct(tmp_path: Path, request: pytest.FixtureRequest) -> Subject:
+    return _file(tmp_path, request, "direct")
+
+
+def _file_buffered(tmp_path: Path, request: pytest.FixtureRequest) -> Subject:
+    return _file(tmp_path, request, "buffered")
+
+
+MAKERS = {"cpu": _cpu, "file": _file, "file_direct": _file_direct, "file_buffered": _file_buffered,
+          "redis": _redis, "redis_cluster": _redis_cluster,
           "gpu": pytest.param(_gpu, marks=pytest.mark.gpu)}
 
 

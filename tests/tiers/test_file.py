@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.blocks import BlockKey
-from kvtier.errors import LayoutMismatch
+from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.layout import BlockLayout
+from kvtier.tiers import file as file_module
 from kvtier.tiers.buffers import aligned_empty
 from kvtier.tiers.file import PAGE, FileTier
 
@@ -158,8 +159,8 @@ def test_a_long_batch_shared_by_the_threads_keeps_every_result_in_place(tmp_path
     run(tier.close())
 
 
-def test_a_cancelled_get_takes_no_further_blocks_and_leaves_buffers_alone(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cancelled_get_takes_no_further_blocks_and_leaves_buffers_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Cancelling a get stops the I/O threads after the block each is reading; once the cancellation
     has returned, no thread writes into the caller's buffers."""
     tier = make_tier(tmp_path, io_threads=2)
@@ -329,8 +330,8 @@ def test_restart_keeps_blocks_and_rebuilds_index(tmp_path: Path) -> None:
     run(again.close())
 
 
-def test_start_removes_tmp_and_invalid_files_and_leaves_foreign_groups(tmp_path: Path,
-                                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_start_removes_tmp_and_invalid_files_and_leaves_foreign_groups(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tier = make_tier(tmp_path)
     good, other = key(1), key(2)
     assert all(run(tier.put([good, other], [random_block(0, 1), random_block(0, 2)])))
@@ -356,7 +357,8 @@ def test_start_removes_tmp_and_invalid_files_and_leaves_foreign_groups(tmp_path:
     with caplog.at_level(logging.INFO, logger="kvtier.tiers.file"):
         again = make_tier(tmp_path)
     assert set(again.keys()) == {good, other}
-    assert files_under(tier.directory / "g0") == {tier.path_of(good).name, tier.path_of(other).name, live.name}
+    assert files_under(tier.directory / "g0") == {tier.path_of(good).name, tier.path_of(other).name,
+                                                  live.name}
     assert list(tmp_path.rglob("*.tmp")) == [live]
     assert (foreign / "00.kvb").exists()
     assert "g7" in caplog.text and "4 invalid and 2 temporary files removed" in caplog.text
@@ -407,7 +409,8 @@ def test_file_deleted_under_the_tier_is_a_miss(tmp_path: Path) -> None:
     run(tier.close())
 
 
-def test_enospc_on_store_is_false_leaves_nothing_and_recovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_enospc_on_store_is_false_leaves_nothing_and_recovers(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     tier = make_tier(tmp_path)
     old = key(7)
     assert all(run(tier.put([old], [random_block(0, 70)])))
@@ -514,11 +517,12 @@ def test_o_direct_einval_falls_back_to_buffered_io(tmp_path: Path, monkeypatch: 
     else:
         monkeypatch.setattr(os, "pwritev", pwritev_no_direct)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
-        tier = make_tier(tmp_path, direct_reads=True)
+        tier = make_tier(tmp_path, write_io="direct", direct_reads=True)
         keys = [key(i, 1) for i in range(3)]
         blocks = [random_block(1, i) for i in range(3)]
         assert run(tier.put(keys, blocks)) == [True] * 3
     assert not tier.direct_io_active
+    assert tier.write_io_active == "synced"  # the fallback keeps durability on return
     assert caplog.text.count("O_DIRECT is not supported") == 1
     out = [torch.empty_like(b) for b in blocks]
     assert run(tier.get(keys, out)) == [True] * 3
@@ -552,7 +556,8 @@ OPS = st.lists(st.tuples(st.sampled_from(["put", "put_fail", "delete", "restart"
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
-def test_index_always_matches_files_on_disk(ops: list[tuple[str, list[int]]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_index_always_matches_files_on_disk(ops: list[tuple[str, list[int]]],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     real_pwritev = os.pwritev
     fail = {"on": False}
 
@@ -570,7 +575,8 @@ def test_index_always_matches_files_on_disk(ops: list[tuple[str, list[int]]], mo
             if op in ("put", "put_fail"):
                 fail["on"] = op == "put_fail"
                 seeds = [step * 10 + n for n in range(len(keys))]
-                ok = run(tier.put(keys, [random_block(k.group_id, s) for k, s in zip(keys, seeds, strict=True)]))
+                blocks = [random_block(k.group_id, s) for k, s in zip(keys, seeds, strict=True)]
+                ok = run(tier.put(keys, blocks))
                 fail["on"] = False
                 assert all(ok) == (op == "put")
                 for k, s in zip(keys, seeds, strict=True):
@@ -592,3 +598,157 @@ def test_index_always_matches_files_on_disk(ops: list[tuple[str, list[int]]], mo
             ok, out = get_one(tier, k)
             assert ok and torch.equal(out, random_block(k.group_id, seed))
         run(tier.close())
+
+
+# --- write_io -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("kwargs", "mode"), [({}, "synced"), ({"direct_io": True}, "direct"),
+                                              ({"direct_io": False}, "buffered"),
+                                              ({"write_io": "buffered"}, "buffered"),
+                                              ({"write_io": "synced", "direct_io": False}, "synced"),
+                                              ({"write_io": "direct", "direct_io": True}, "direct")])
+def test_write_io_and_the_older_direct_io_key_choose_the_write_mode(tmp_path: Path, kwargs, mode) -> None:
+    tier = make_tier(tmp_path, **kwargs)
+    assert (tier.write_io, tier.write_io_active, tier.direct_io_active) == (mode, mode, mode == "direct")
+    blocks = [random_block(0, 1), random_block(1, 2)]
+    assert run(tier.put([key(1), key(2, 1)], blocks)) == [True, True]
+    run(tier.close())
+    again = make_tier(tmp_path, **kwargs)  # what a put acknowledged is found by a restarted tier
+    for k, block in zip((key(1), key(2, 1)), blocks, strict=True):
+        ok, out = get_one(again, k)
+        assert ok and torch.equal(out, block)
+    run(again.close())
+
+
+@pytest.mark.parametrize("kwargs", [{"write_io": "synced", "direct_io": True},
+                                    {"write_io": "buffered", "direct_io": True},
+                                    {"write_io": "direct", "direct_io": False},
+                                    {"write_io": "fast"}])
+def test_a_bad_or_contradicting_write_io_is_refused(tmp_path: Path, kwargs) -> None:
+    with pytest.raises(KVTierConfigError) as info:
+        make_tier(tmp_path, **kwargs)
+    assert info.value.path == "write_io"
+    assert str(kwargs["write_io"]) in str(info.value)
+
+
+def test_synced_writes_start_every_write_back_of_a_threads_share_before_waiting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One I/O thread, a batch of 5: five buffered writes each start their write-back, then the thread
+    waits for each (sync_file_range WAIT_BEFORE|WRITE|WAIT_AFTER) and only then renames it into place;
+    every block is then readable from the page cache alone (RWF_NOWAIT)."""
+    real = file_module._SYNC_FILE_RANGE
+    if real is None:
+        pytest.skip("sync_file_range is not available here")
+    calls: list[tuple[str, int]] = []
+    renamed: list[str] = []
+    real_rename = os.rename
+
+    def spy(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        calls.append(("wait" if flags & 4 else "start", len(renamed)))
+        return real(fd, offset, nbytes, flags)
+
+    def spy_rename(src, dst):
+        renamed.append(str(dst))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(file_module, "_SYNC_FILE_RANGE", spy)
+    monkeypatch.setattr(os, "rename", spy_rename)
+    tier = make_tier(tmp_path, write_io="synced", io_threads=1)
+    keys = [key(i) for i in range(5)]
+    blocks = [random_block(0, i) for i in range(5)]
+    assert run(tier.put(keys, blocks)) == [True] * 5
+    assert [c[0] for c in calls] == ["start"] * 5 + ["wait"] * 5
+    assert [c[1] for c in calls[5:]] == [0, 1, 2, 3, 4]  # each wait before its rename, renames in order
+    assert files_under(tier.directory) == {tier.path_of(k).name for k in keys}
+    if hasattr(os, "RWF_NOWAIT"):
+        for k, block in zip(keys, blocks, strict=True):
+            fd = os.open(tier.path_of(k), os.O_RDONLY)
+            try:
+                cached = bytearray(LAYOUTS[0].nbytes)
+                assert os.preadv(fd, [cached], PAGE, os.RWF_NOWAIT) == len(cached)
+            finally:
+                os.close(fd)
+            assert bytes(cached) == block.numpy().tobytes()
+    run(tier.close())
+
+
+def test_a_failed_write_back_wait_is_a_false_put_that_leaves_no_file(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O error reported while waiting for the write-back (EIO, or ENOSPC from delayed
+    allocation) fails that block only: no temporary file, and its older version is deleted."""
+    tier = make_tier(tmp_path, write_io="synced", io_threads=2)
+    assert run(tier.put([key(1)], [random_block(0, 1)])) == [True]
+    real_wait = file_module._wait_writeback
+    doomed = f".{key(1).block_hash.hex()}."  # the temporary file of key(1)'s new version
+
+    def failing_wait(fd: int) -> None:
+        if doomed in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_wait(fd)
+
+    monkeypatch.setattr(file_module, "_wait_writeback", failing_wait)
+    assert run(tier.put([key(1), key(2)], [random_block(0, 10), random_block(0, 2)])) == [False, True]
+    assert files_under(tier.directory) == {tier.path_of(key(2)).name}
+    assert run(tier.contains([key(1), key(2)])) == [False, True]
+    assert tier.counters.errors.get("enospc") == 1
+    run(tier.close())
+
+
+def test_a_cancelled_synced_put_finishes_the_writes_it_started(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put cancelled while its threads wait for write-backs still ends every started write: each
+    file is renamed into place and indexed, or removed, and no temporary file is left."""
+    tier = make_tier(tmp_path, write_io="synced", io_threads=2)
+    waiting = threading.Event()
+    release = threading.Event()
+    real_wait = file_module._wait_writeback
+
+    def slow_wait(fd: int) -> None:
+        waiting.set()
+        release.wait(10)
+        real_wait(fd)
+
+    monkeypatch.setattr(file_module, "_wait_writeback", slow_wait)
+    n = 12
+    keys = [key(i) for i in range(n)]
+
+    async def cancel_while_waiting() -> None:
+        task = asyncio.ensure_future(tier.put(keys, [random_block(0, i) for i in range(n)]))
+        await asyncio.to_thread(waiting.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(cancel_while_waiting())
+    on_disk = files_under(tier.directory)
+    assert not any(name.endswith(".tmp") for name in on_disk)
+    assert on_disk == {tier.path_of(k).name for k in tier.keys()}
+    assert len(on_disk) == n  # every write had started before the threads began to wait
+    for i, k in enumerate(keys):
+        ok, out = get_one(tier, k)
+        assert ok and torch.equal(out, random_block(0, i))
+    run(tier.close())
+
+
+@pytest.mark.parametrize("write_io", ["synced", "buffered", "direct"])
+def test_direct_reads_use_o_direct_in_every_write_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       write_io: str) -> None:
+    tier = make_tier(tmp_path, write_io=write_io, direct_reads=True)
+    keys = [key(1), key(2, 1)]
+    blocks = [random_block(0, 1), random_block(1, 2)]
+    assert run(tier.put(keys, blocks)) == [True, True]
+    opened: list[int] = []
+    real_open = os.open
+
+    def spy_open(path, flags, *args, **kwargs):
+        if str(path).endswith(".kvb"):
+            opened.append(flags)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spy_open)
+    for k, block in zip(keys, blocks, strict=True):
+        ok, out = get_one(tier, k)
+        assert ok and torch.equal(out, block)
+    assert len(opened) == 2 and all(flags & os.O_DIRECT for flags in opened)
+    run(tier.close())
