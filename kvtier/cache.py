@@ -443,7 +443,8 @@ class AsyncTieredCache:
         self._counts["stored_blocks"] += count
         return count
 
-    def execute_now(self, plan: Plan, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None]) -> int | None:
+    def execute_now(self, plan: Plan, keys: Sequence[BlockKey],
+                    rows: Sequence[torch.Tensor | None] | torch.Tensor) -> int | None:
         """Run a plan from :meth:`plan_store` on the caller's thread if it can be; else None (then :meth:`execute` it).
 
         For an engine's worker storing into CPU tiers (vLLM's, next to its scheduler): the copies and
@@ -451,11 +452,73 @@ class AsyncTieredCache:
         more CPU than the copies. It runs only when every tier is a CPU tier (their calls never wait)
         and no call is in flight on the loop; the caller keeps plans in order (none of its plans may be
         queued on the loop meanwhile). ``rows[i]``: key ``i``'s block as ``[nbytes]`` uint8 on the CPU
-        (no copy), or None when its bytes never came (its planned writes fail). Returns how many of
-        ``keys`` are now cached.
+        (no copy), or None when its bytes never came (its planned writes fail); or ``rows`` is one
+        contiguous ``[len(keys), nbytes]`` uint8 CPU tensor holding every key's block (keys of one
+        group), checked once and copied into each tier with one call. Returns how many of ``keys``
+        are now cached.
         """
         if len(rows) != len(keys):
             raise LayoutMismatch(f"{len(keys)} keys but {len(rows)} rows")
+        batch = self._row_batch(keys, rows) if isinstance(rows, torch.Tensor) else None
+        if batch is None:
+            self._check_rows(keys, rows)
+        with self._index_lock:
+            self._check_open()
+            if not self._inline or not self._started or self._operations or any(
+                    tier.capacity_version != seen
+                    for tier, seen in zip(self.tiers, self._capacity_seen, strict=True)):
+                return None
+            for t in reversed(range(len(self.tiers))):
+                if plan.demotions[t]:
+                    self._demote_now(t, plan.demotions[t])
+                if plan.drops[t]:
+                    self._activity[t].evictions += len(plan.drops[t])
+                    self._io_now(t, "delete", plan.drops[t])
+            stored = 0
+            for t, idx in enumerate(plan.writes):
+                if not idx:
+                    continue
+                written = [keys[i] for i in idx]
+                if batch is not None:  # every row is there: the tier copies the batch in one call
+                    oks = self._io_now(t, "put", written, _take_rows(batch, idx))
+                else:
+                    present = [i for i in idx if rows[i] is not None]
+                    done = dict(zip(present, self._io_now(t, "put", [keys[i] for i in present],
+                                                          [rows[i] for i in present]), strict=True))
+                    oks = [done.get(i, False) for i in idx]
+                index, activity = self.residency.tiers[t], self._activity[t]
+                if all(oks):
+                    index.settle_many(written, True)  # Residency.finish_write of each
+                    good = len(written)
+                else:
+                    index.settle_many([k for k, ok in zip(written, oks, strict=True) if ok], True)
+                    index.settle_many([k for k, ok in zip(written, oks, strict=True) if not ok], False)
+                    good = sum(oks)
+                stored += good
+                activity.stores += good
+                activity.failed_stores += len(written) - good
+                self._changed(written)
+            self._report_removed(k for moves in plan.demotions for k, _ in moves)
+            self._counts["stored_blocks"] += stored
+        return stored
+
+    def _row_batch(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> torch.Tensor | None:
+        """``rows`` if it is one contiguous ``[len(keys), nbytes]`` uint8 CPU tensor of one group's
+        blocks (checked once for the batch); None for a caller's tensor that is not (an empty batch,
+        keys of several groups): :meth:`_check_rows` then names what is wrong row by row."""
+        group_id = getattr(keys[0], "group_id", None) if keys else None
+        nbytes = self._block_bytes.get(group_id) if type(group_id) is int else None
+        if (nbytes is None or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != nbytes
+                or rows.device.type != "cpu" or not rows.is_contiguous()):
+            return None
+        for key in keys:
+            if not isinstance(key, BlockKey) or key.group_id != group_id:
+                return None
+        return rows
+
+    def _check_rows(self, keys: Sequence[BlockKey],
+                    rows: Sequence[torch.Tensor | None] | torch.Tensor) -> None:
+        """Raise naming the first key or row of :meth:`execute_now` that is not a valid block."""
         block_bytes, uint8, cpu = self._block_bytes, torch.uint8, torch.device("cpu")
         for i, (key, row) in enumerate(zip(keys, rows, strict=True)):
             if row is None:
@@ -469,37 +532,6 @@ class AsyncTieredCache:
                 raise LayoutMismatch(f"rows[{i}] must be a contiguous [{nbytes}] uint8 CPU tensor, got "
                                      + (f"{row.dtype} {tuple(row.shape)} on {row.device}"
                                         if isinstance(row, torch.Tensor) else type(row).__name__))
-        with self._index_lock:
-            self._check_open()
-            if not self._inline or not self._started or self._operations or any(
-                    tier.capacity_version != seen for tier, seen in zip(self.tiers, self._capacity_seen, strict=True)):
-                return None
-            for t in reversed(range(len(self.tiers))):
-                if plan.demotions[t]:
-                    self._demote_now(t, plan.demotions[t])
-                if plan.drops[t]:
-                    self._activity[t].evictions += len(plan.drops[t])
-                    self._io_now(t, "delete", plan.drops[t])
-            stored = 0
-            for t, idx in enumerate(plan.writes):
-                if not idx:
-                    continue
-                present = [i for i in idx if rows[i] is not None]
-                done = dict(zip(present, self._io_now(t, "put", [keys[i] for i in present],
-                                                      [rows[i] for i in present]), strict=True))
-                activity = self._activity[t]
-                for i in idx:
-                    ok = done.get(i, False)
-                    self.residency.finish_write(t, keys[i], ok)
-                    if ok:
-                        stored += 1
-                        activity.stores += 1
-                    else:
-                        activity.failed_stores += 1
-                self._changed(keys[i] for i in idx)
-            self._report_removed(k for moves in plan.demotions for k, _ in moves)
-            self._counts["stored_blocks"] += stored
-        return stored
 
     def _demote_now(self, src: int, moves: list[tuple[BlockKey, int]]) -> None:
         """:meth:`_demote` between CPU tiers, on the caller's thread (index lock held)."""
@@ -561,10 +593,8 @@ class AsyncTieredCache:
             for t, idx in enumerate(plan.writes):
                 if not idx:
                     continue
-                settle = self.residency.tiers[t].settle  # Residency.finish_write
                 written = [keys[i] for i in idx]
-                for key in written:
-                    settle(key, ok)
+                self.residency.tiers[t].settle_many(written, ok)  # Residency.finish_write of each
                 changed += written
                 if ok:
                     self._activity[t].stores += len(idx)
@@ -1023,6 +1053,14 @@ class AsyncTieredCache:
         except Exception as exc:
             tier.counters.error(type(exc).__name__)
             log.warning("tier %s: delete of %d blocks failed: %r", tier.name, len(keys), exc)
+
+
+def _take_rows(rows: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """``rows[idx]``: a view when ``idx`` is a run of consecutive rows (a store's usual case), else a copy."""
+    first = idx[0]
+    if idx[-1] - first == len(idx) - 1 and idx == list(range(first, first + len(idx))):
+        return rows[first:first + len(idx)]
+    return rows[torch.tensor(idx, dtype=torch.long)]
 
 
 async def _together(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
