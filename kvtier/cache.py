@@ -43,7 +43,7 @@ from kvtier.policy import InsertHint
 from kvtier.policy.admission import AdmitAll
 from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.base import Tier
-from kvtier.tiers.buffers import aligned_empty
+from kvtier.tiers.buffers import aligned_empty, as_rows
 from kvtier.tiers.cpu import CpuTier
 
 if TYPE_CHECKING:
@@ -701,8 +701,12 @@ class AsyncTieredCache:
                      touch: bool) -> None:
         for t, idx in by_tier.items():
             start = time.perf_counter()
-            for i, view in zip(idx, self.tiers[t].views([keys[i] for i in idx]), strict=True):
-                buffers[i].copy_(view)
+            tier = self.tiers[t]
+            # rows of one caller tensor (an engine's load buffer) out of a CPU tier: one call for the batch
+            rows = as_rows([buffers[i] for i in idx]) if type(tier) is CpuTier and len(idx) > 1 else None
+            if rows is None or not cast("CpuTier", tier).read_rows([keys[i] for i in idx], rows):
+                for i, view in zip(idx, tier.views([keys[i] for i in idx]), strict=True):
+                    buffers[i].copy_(view)
             self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=touch, misses_above=True)
         self._count_load(len(keys))
 

@@ -442,6 +442,21 @@ def test_execute_now_of_one_row_batch_tensor_is_bit_exact_and_names_a_wrong_one(
             core.execute_now(core.plan_store(keys[:2]), keys[:2], batch[:3])
 
 
+def test_read_leased_into_one_tensor_copies_each_block_from_its_slot() -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(5), random_blocks(5, layout, seed=13)
+    with TieredCache.from_config(_cpu_only_config(5)) as cache:
+        assert cache.store(keys, blocks) == 5
+        order = [3, 0, 4, 1]  # slots out of step: no row run
+        where = cache.lease([keys[i] for i in order])
+        assert where == [0] * 4
+        out = torch.empty((4, *layout.shape), dtype=layout.dtype)
+        cache.read_leased([keys[i] for i in order], where, out)
+        cache.release([keys[i] for i in order], where)
+        assert same(out, blocks[order])
+        assert cache.stats().tiers[0].hits == 4
+
+
 def test_execute_now_declines_slow_tiers_and_refuses_after_close(two_tier_config: dict[str, Any]) -> None:
     from kvtier import CacheClosed
 

@@ -188,6 +188,21 @@ class CpuTier(Tier):
             views.append(self._slabs[key.group_id].tensor[slot])
         return views
 
+    def read_rows(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> bool:
+        """Copy the blocks of ``keys`` into ``rows``, a contiguous ``[n, nbytes]`` uint8 CPU tensor, when
+        the keys are of one group: :meth:`views` and a copy per block in one call. False (nothing
+        copied) when ``rows`` is not such a batch. Raises ``KeyError`` for a key without a slot, as
+        :meth:`views` does."""
+        if not self._is_row_batch(keys, rows):
+            return False
+        slot_of = self._slots.slot
+        slots = [slot_of(key) for key in keys]
+        if None in slots:
+            raise KeyError(f"{keys[slots.index(None)]} holds no slot in CPU tier {self.name!r}")
+        slab = self._slabs[keys[0].group_id]
+        _copy_batch(rows.numpy(), slab.tensor.numpy(), cast("list[int]", slots), into_slab=False)
+        return True
+
     async def close(self) -> None:
         for slab in self._slabs.values():
             slab.release()
