@@ -178,7 +178,8 @@ class AsyncTieredCache:
                     index.add(key, InsertHint(predecessor=links.get(key)), ready=True)
                 self._changed(index.keys())
             if surplus:
-                log.info("tier %s holds %d blocks beyond its capacity; deleting them", tier.name, len(surplus))
+                log.info("tier %s holds %d blocks beyond its capacity; deleting them",
+                         tier.name, len(surplus))
                 await self._safe_delete(t, surplus)
 
     @property
@@ -225,7 +226,8 @@ class AsyncTieredCache:
             await asyncio.wait_for(every_tier(), budget_seconds)
         except asyncio.TimeoutError:
             log.warning("persist on close: the budget of %g s ran out after %d blocks (raise "
-                        "placement.persist_budget_seconds to keep more across restarts)", budget_seconds, counts[0])
+                        "placement.persist_budget_seconds to keep more across restarts)",
+                        budget_seconds, counts[0])
         except Exception:
             log.exception("persist on close failed after %d blocks", counts[0])
         if any(counts):
@@ -423,8 +425,10 @@ class AsyncTieredCache:
         return plan
 
     @_operation
-    async def execute(self, plan: Plan, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor | None]) -> int:
-        """Run a plan from :meth:`plan_store` with the blocks' bytes; return how many of ``keys`` are now cached.
+    async def execute(self, plan: Plan, keys: Sequence[BlockKey],
+                      blocks: Sequence[torch.Tensor | None]) -> int:
+        """Run a plan from :meth:`plan_store` with the blocks' bytes; return how many of ``keys`` are
+        now cached.
 
         ``blocks[i]`` is key ``i``'s block, or None when its bytes never came (its planned writes fail,
         the rest of the plan still runs). Plans run one at a time, in the order they were submitted.
@@ -432,9 +436,9 @@ class AsyncTieredCache:
         await self.start()
         buffers: list[torch.Tensor | None] = list(blocks)
         present = [i for i, block in enumerate(buffers) if block is not None]
-        for i, row in zip(present, self._byte_blocks([keys[i] for i in present],
-                                                     [cast("torch.Tensor", buffers[i]) for i in present], "blocks"),
-                          strict=True):
+        checked = self._byte_blocks([keys[i] for i in present],
+                                    [cast("torch.Tensor", buffers[i]) for i in present], "blocks")
+        for i, row in zip(present, checked, strict=True):
             buffers[i] = row
         assert self._mutation is not None
         async with self._mutation:
@@ -445,7 +449,8 @@ class AsyncTieredCache:
 
     def execute_now(self, plan: Plan, keys: Sequence[BlockKey],
                     rows: Sequence[torch.Tensor | None] | torch.Tensor) -> int | None:
-        """Run a plan from :meth:`plan_store` on the caller's thread if it can be; else None (then :meth:`execute` it).
+        """Run a plan from :meth:`plan_store` on the caller's thread if it can be; else None (then
+        :meth:`execute` it).
 
         For an engine's worker storing into CPU tiers (vLLM's, next to its scheduler): the copies and
         index updates run under the index lock, without a hop to the loop thread, whose wake-ups cost
@@ -625,21 +630,24 @@ class AsyncTieredCache:
                                  f"index and this worker's tiers are out of step") from None
             for i, view in zip(idx, views, strict=True):
                 buffers[i].copy_(view)
-            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=False, misses_above=False)
+            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=False,
+                                    misses_above=False)
         self._count_load(len(keys))
 
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
-        """Pin each key where a readable copy is, for a read that comes later; thread-safe, never blocks on I/O.
+        """Pin each key where a readable copy is, for a read that comes later; thread-safe, never
+        blocks on I/O.
 
         Per key: the top-most of ``tiers`` (default: every tier kvtier indexes) holding it READY,
         now pinned there, or None (nothing pinned). Until :meth:`release`, a pinned copy is never
-        evicted, demoted away or overwritten (docs/architecture.md#pins), so a :meth:`load` reads it. Meant for
-        engines that promise blocks on another thread than the cache's loop (vLLM's scheduler):
+        evicted, demoted away or overwritten (docs/architecture.md#pins), so a :meth:`load` reads it.
+        Meant for engines that promise blocks on another thread than the cache's loop (vLLM's scheduler):
         one lock instead of a hop to the loop. Self-evicting tiers (Redis) cannot be pinned.
         """
         indexes = self.residency.tiers
         candidates = [(t, indexes[t].entries, indexes[t].pins)
-                      for t in (range(len(indexes)) if tiers is None else tiers) if not self.tiers[t].self_evicting]
+                      for t in (range(len(indexes)) if tiers is None else tiers)
+                      if not self.tiers[t].self_evicting]
         where: list[int | None] = []
         append = where.append
         with self._index_lock:
@@ -647,7 +655,8 @@ class AsyncTieredCache:
             for key in keys:
                 for t, entries, pins in candidates:
                     if entries.get(key) == READY:
-                        pins[key] = pins.get(key, 0) + 1  # TierIndex.pin, inlined: this is an engine's hot path
+                        # TierIndex.pin, inlined: this is an engine's hot path
+                        pins[key] = pins.get(key, 0) + 1
                         append(t)
                         break
                 else:
@@ -671,7 +680,8 @@ class AsyncTieredCache:
                     else:
                         pins.pop(key, None)
 
-    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *, touch: bool = True) -> None:
+    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *,
+                    touch: bool = True) -> None:
         """Copy blocks that :meth:`lease` pinned in memory tiers into ``out``, on the caller's thread.
 
         Thread-safe, no I/O: the copies are memory copies, with no hop to the loop thread — whose
@@ -697,8 +707,8 @@ class AsyncTieredCache:
             with self._index_lock:
                 self._leased_reads -= 1
 
-    def _copy_leased(self, keys: Sequence[BlockKey], buffers: list[torch.Tensor], by_tier: dict[int, list[int]],
-                     touch: bool) -> None:
+    def _copy_leased(self, keys: Sequence[BlockKey], buffers: list[torch.Tensor],
+                     by_tier: dict[int, list[int]], touch: bool) -> None:
         for t, idx in by_tier.items():
             start = time.perf_counter()
             tier = self.tiers[t]
@@ -707,12 +717,15 @@ class AsyncTieredCache:
             if rows is None or not cast("CpuTier", tier).read_rows([keys[i] for i in idx], rows):
                 for i, view in zip(idx, tier.views([keys[i] for i in idx]), strict=True):
                     buffers[i].copy_(view)
-            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=touch, misses_above=True)
+            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=touch,
+                                    misses_above=True)
         self._count_load(len(keys))
 
-    def _count_memory_read(self, t: int, idx: list[int], keys: Sequence[BlockKey], buffers: Sequence[torch.Tensor],
-                           elapsed: float, *, touch: bool, misses_above: bool) -> None:
-        """Counters (and recency, with ``touch``) of blocks copied out of memory tier ``t`` on the caller's thread."""
+    def _count_memory_read(self, t: int, idx: list[int], keys: Sequence[BlockKey],
+                           buffers: Sequence[torch.Tensor], elapsed: float, *, touch: bool,
+                           misses_above: bool) -> None:
+        """Counters (and recency, with ``touch``) of blocks copied out of memory tier ``t`` on the
+        caller's thread."""
         with self._index_lock:
             tier, activity = self.tiers[t], self._activity[t]
             tier.counters.blocks_read += len(idx)
@@ -735,7 +748,8 @@ class AsyncTieredCache:
 
     @_operation
     async def clear(self, tiers: Iterable[int]) -> list[BlockKey]:
-        """Delete every block of ``tiers`` that no read has pinned (an engine's cache reset); return their keys.
+        """Delete every block of ``tiers`` that no read has pinned (an engine's cache reset); return
+        their keys.
 
         Self-evicting tiers (Redis) are skipped: kvtier does not know what they hold.
         """
@@ -862,7 +876,8 @@ class AsyncTieredCache:
 
     async def _forget_lost(self, t: int, keys: list[BlockKey]) -> None:
         """Drop blocks a tier failed to return from the index, unless the tier still holds them (an I/O
-        error, not a lost block): those stay indexed and are retried by later loads (docs/architecture.md#failure-contract)."""
+        error, not a lost block): those stay indexed and are retried by later loads
+        (docs/architecture.md#failure-contract)."""
         if not keys or self.tiers[t].self_evicting:
             return
         held = await self._safe_io(t, "contains", keys)
@@ -1086,7 +1101,8 @@ async def _outcomes(calls: list[Coroutine[Any, Any, T]]) -> list[T | BaseExcepti
 
 
 def _run_now(coro: Coroutine[Any, Any, T]) -> T:
-    """The result of a coroutine that finishes without waiting (a CPU tier's call); RuntimeError if it waits."""
+    """The result of a coroutine that finishes without waiting (a CPU tier's call); RuntimeError if it
+    waits."""
     try:
         coro.send(None)
     except StopIteration as done:
@@ -1126,7 +1142,7 @@ def _length(value: object) -> str:
         return "-"
 
 
-# --- persisting on exit: caches still open at interpreter exit or on SIGTERM are closed (and persist) ---------
+# --- persisting on exit: caches still open at interpreter exit or on SIGTERM are closed (and persist) ---
 _OPEN_CACHES: weakref.WeakSet[TieredCache] = weakref.WeakSet()
 #: caches whose close() started (maybe on the thread a SIGTERM interrupted): exit waits for their persist
 _CLOSING: dict[int, concurrent.futures.Future[None]] = {}
@@ -1208,7 +1224,9 @@ class TieredCache:
             namespace = core.namespace.id if core.namespace else ""
             try:
                 self.metrics_server = MetricsServer(self.stats, port, address, namespace)
-            except OSError as exc:  # the port is taken: stop what started, nothing half-starts (docs/architecture.md#config-errors)
+            except OSError as exc:
+                # the port is taken: stop what started, nothing half-starts
+                # (docs/architecture.md#config-errors)
                 self.close()
                 raise KVTierConfigError("metrics.port", f"cannot serve metrics on {address}:{port}: "
                                                         f"{exc.strerror or exc}") from None
@@ -1239,7 +1257,8 @@ class TieredCache:
         """Start a load; ``out`` must stay untouched until the future is done."""
         return self._submit(self.core.load(keys, out))
 
-    def submit_store(self, keys: Sequence[BlockKey], blocks: Blocks, hints: Sequence[InsertHint] | None = None,
+    def submit_store(self, keys: Sequence[BlockKey], blocks: Blocks,
+                     hints: Sequence[InsertHint] | None = None,
                      predecessors: Sequence[BlockKey | None] | None = None) -> concurrent.futures.Future[int]:
         """Start a store; ``blocks`` must stay unchanged until the future is done."""
         return self._submit(self.core.store(keys, blocks, hints, predecessors))
@@ -1252,7 +1271,8 @@ class TieredCache:
         """See :meth:`AsyncTieredCache.release`."""
         self.core.release(keys, where)
 
-    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *, touch: bool = True) -> None:
+    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *,
+                    touch: bool = True) -> None:
         """See :meth:`AsyncTieredCache.read_leased` (runs on the caller's thread)."""
         self.core.read_leased(keys, where, out, touch=touch)
 

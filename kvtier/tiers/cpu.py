@@ -63,7 +63,8 @@ def _host_register(tensor: torch.Tensor) -> bool:
 
 
 class CpuTier(Tier):
-    """Pinned (when CUDA is there) or plain host memory, ``capacity_bytes[g] // block_bytes`` slots per group."""
+    """Pinned (when CUDA is there) or plain host memory, ``capacity_bytes[g] // block_bytes`` slots per
+    group."""
 
     kind: ClassVar[str] = "cpu"
     addressable: ClassVar[bool] = True
