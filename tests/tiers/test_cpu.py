@@ -125,3 +125,23 @@ def test_batches_in_any_slot_order_round_trip(order: str) -> None:
     assert torch.equal(out.view(torch.uint8), new.view(torch.uint8))
     for k, block in zip(keys, rows(new), strict=True):
         assert torch.equal(tier.views([k])[0], block)
+
+
+@given(st.integers(1, 8), st.lists(st.integers(0, 9), max_size=6),
+       st.lists(st.integers(0, 9), min_size=1, max_size=8))
+@settings(max_examples=60, deadline=None)
+def test_put_of_a_batch_tensor_equals_put_of_its_rows(slots: int, before: list[int],
+                                                      batch_keys: list[int]) -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(10), random_blocks(10, layout, seed=5)
+    data = blocks.view(torch.uint8).reshape(10, -1)
+    tiers = [CpuTier("cpu", {0: layout}, {0: slots * layout.nbytes}, pinned=False) for _ in range(2)]
+    for tier in tiers:
+        asyncio.run(tier.put([keys[i] for i in before], [data[i] for i in before]))
+    picked = [keys[i] for i in batch_keys]
+    rows_batch = data[torch.tensor(batch_keys)]
+    assert asyncio.run(tiers[0].put(picked, rows_batch)) == asyncio.run(tiers[1].put(picked, list(rows_batch)))
+    held = [k for k in keys if k in set(tiers[1].keys())]
+    assert sorted(tiers[0].keys()) == sorted(held)
+    for a, b in zip(tiers[0].views(held), tiers[1].views(held), strict=True):
+        assert torch.equal(a, b)
