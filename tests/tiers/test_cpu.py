@@ -140,7 +140,8 @@ def test_put_of_a_batch_tensor_equals_put_of_its_rows(slots: int, before: list[i
         asyncio.run(tier.put([keys[i] for i in before], [data[i] for i in before]))
     picked = [keys[i] for i in batch_keys]
     rows_batch = data[torch.tensor(batch_keys)]
-    assert asyncio.run(tiers[0].put(picked, rows_batch)) == asyncio.run(tiers[1].put(picked, list(rows_batch)))
+    as_batch = asyncio.run(tiers[0].put(picked, rows_batch))
+    assert as_batch == asyncio.run(tiers[1].put(picked, list(rows_batch)))
     held = [k for k in keys if k in set(tiers[1].keys())]
     assert sorted(tiers[0].keys()) == sorted(held)
     for a, b in zip(tiers[0].views(held), tiers[1].views(held), strict=True):
