@@ -43,7 +43,7 @@ from kvtier.policy import InsertHint
 from kvtier.policy.admission import AdmitAll
 from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.base import Tier
-from kvtier.tiers.buffers import aligned_empty
+from kvtier.tiers.buffers import aligned_empty, as_rows
 from kvtier.tiers.cpu import CpuTier
 
 if TYPE_CHECKING:
@@ -178,7 +178,8 @@ class AsyncTieredCache:
                     index.add(key, InsertHint(predecessor=links.get(key)), ready=True)
                 self._changed(index.keys())
             if surplus:
-                log.info("tier %s holds %d blocks beyond its capacity; deleting them", tier.name, len(surplus))
+                log.info("tier %s holds %d blocks beyond its capacity; deleting them",
+                         tier.name, len(surplus))
                 await self._safe_delete(t, surplus)
 
     @property
@@ -225,7 +226,8 @@ class AsyncTieredCache:
             await asyncio.wait_for(every_tier(), budget_seconds)
         except asyncio.TimeoutError:
             log.warning("persist on close: the budget of %g s ran out after %d blocks (raise "
-                        "placement.persist_budget_seconds to keep more across restarts)", budget_seconds, counts[0])
+                        "placement.persist_budget_seconds to keep more across restarts)",
+                        budget_seconds, counts[0])
         except Exception:
             log.exception("persist on close failed after %d blocks", counts[0])
         if any(counts):
@@ -423,8 +425,10 @@ class AsyncTieredCache:
         return plan
 
     @_operation
-    async def execute(self, plan: Plan, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor | None]) -> int:
-        """Run a plan from :meth:`plan_store` with the blocks' bytes; return how many of ``keys`` are now cached.
+    async def execute(self, plan: Plan, keys: Sequence[BlockKey],
+                      blocks: Sequence[torch.Tensor | None]) -> int:
+        """Run a plan from :meth:`plan_store` with the blocks' bytes; return how many of ``keys`` are
+        now cached.
 
         ``blocks[i]`` is key ``i``'s block, or None when its bytes never came (its planned writes fail,
         the rest of the plan still runs). Plans run one at a time, in the order they were submitted.
@@ -432,9 +436,9 @@ class AsyncTieredCache:
         await self.start()
         buffers: list[torch.Tensor | None] = list(blocks)
         present = [i for i, block in enumerate(buffers) if block is not None]
-        for i, row in zip(present, self._byte_blocks([keys[i] for i in present],
-                                                     [cast("torch.Tensor", buffers[i]) for i in present], "blocks"),
-                          strict=True):
+        checked = self._byte_blocks([keys[i] for i in present],
+                                    [cast("torch.Tensor", buffers[i]) for i in present], "blocks")
+        for i, row in zip(present, checked, strict=True):
             buffers[i] = row
         assert self._mutation is not None
         async with self._mutation:
@@ -443,19 +447,83 @@ class AsyncTieredCache:
         self._counts["stored_blocks"] += count
         return count
 
-    def execute_now(self, plan: Plan, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None]) -> int | None:
-        """Run a plan from :meth:`plan_store` on the caller's thread if it can be; else None (then :meth:`execute` it).
+    def execute_now(self, plan: Plan, keys: Sequence[BlockKey],
+                    rows: Sequence[torch.Tensor | None] | torch.Tensor) -> int | None:
+        """Run a plan from :meth:`plan_store` on the caller's thread if it can be; else None (then
+        :meth:`execute` it).
 
         For an engine's worker storing into CPU tiers (vLLM's, next to its scheduler): the copies and
         index updates run under the index lock, without a hop to the loop thread, whose wake-ups cost
         more CPU than the copies. It runs only when every tier is a CPU tier (their calls never wait)
         and no call is in flight on the loop; the caller keeps plans in order (none of its plans may be
         queued on the loop meanwhile). ``rows[i]``: key ``i``'s block as ``[nbytes]`` uint8 on the CPU
-        (no copy), or None when its bytes never came (its planned writes fail). Returns how many of
-        ``keys`` are now cached.
+        (no copy), or None when its bytes never came (its planned writes fail); or ``rows`` is one
+        contiguous ``[len(keys), nbytes]`` uint8 CPU tensor holding every key's block (keys of one
+        group), checked once and copied into each tier with one call. Returns how many of ``keys``
+        are now cached.
         """
         if len(rows) != len(keys):
             raise LayoutMismatch(f"{len(keys)} keys but {len(rows)} rows")
+        batch = self._row_batch(keys, rows) if isinstance(rows, torch.Tensor) else None
+        if batch is None:
+            self._check_rows(keys, rows)
+        with self._index_lock:
+            self._check_open()
+            if not self._inline or not self._started or self._operations or any(
+                    tier.capacity_version != seen
+                    for tier, seen in zip(self.tiers, self._capacity_seen, strict=True)):
+                return None
+            for t in reversed(range(len(self.tiers))):
+                if plan.demotions[t]:
+                    self._demote_now(t, plan.demotions[t])
+                if plan.drops[t]:
+                    self._activity[t].evictions += len(plan.drops[t])
+                    self._io_now(t, "delete", plan.drops[t])
+            stored = 0
+            for t, idx in enumerate(plan.writes):
+                if not idx:
+                    continue
+                written = [keys[i] for i in idx]
+                if batch is not None:  # every row is there: the tier copies the batch in one call
+                    oks = self._io_now(t, "put", written, _take_rows(batch, idx))
+                else:
+                    present = [i for i in idx if rows[i] is not None]
+                    done = dict(zip(present, self._io_now(t, "put", [keys[i] for i in present],
+                                                          [rows[i] for i in present]), strict=True))
+                    oks = [done.get(i, False) for i in idx]
+                index, activity = self.residency.tiers[t], self._activity[t]
+                if all(oks):
+                    index.settle_many(written, True)  # Residency.finish_write of each
+                    good = len(written)
+                else:
+                    index.settle_many([k for k, ok in zip(written, oks, strict=True) if ok], True)
+                    index.settle_many([k for k, ok in zip(written, oks, strict=True) if not ok], False)
+                    good = sum(oks)
+                stored += good
+                activity.stores += good
+                activity.failed_stores += len(written) - good
+                self._changed(written)
+            self._report_removed(k for moves in plan.demotions for k, _ in moves)
+            self._counts["stored_blocks"] += stored
+        return stored
+
+    def _row_batch(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> torch.Tensor | None:
+        """``rows`` if it is one contiguous ``[len(keys), nbytes]`` uint8 CPU tensor of one group's
+        blocks (checked once for the batch); None for a caller's tensor that is not (an empty batch,
+        keys of several groups): :meth:`_check_rows` then names what is wrong row by row."""
+        group_id = getattr(keys[0], "group_id", None) if keys else None
+        nbytes = self._block_bytes.get(group_id) if type(group_id) is int else None
+        if (nbytes is None or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != nbytes
+                or rows.device.type != "cpu" or not rows.is_contiguous()):
+            return None
+        for key in keys:
+            if not isinstance(key, BlockKey) or key.group_id != group_id:
+                return None
+        return rows
+
+    def _check_rows(self, keys: Sequence[BlockKey],
+                    rows: Sequence[torch.Tensor | None] | torch.Tensor) -> None:
+        """Raise naming the first key or row of :meth:`execute_now` that is not a valid block."""
         block_bytes, uint8, cpu = self._block_bytes, torch.uint8, torch.device("cpu")
         for i, (key, row) in enumerate(zip(keys, rows, strict=True)):
             if row is None:
@@ -469,37 +537,6 @@ class AsyncTieredCache:
                 raise LayoutMismatch(f"rows[{i}] must be a contiguous [{nbytes}] uint8 CPU tensor, got "
                                      + (f"{row.dtype} {tuple(row.shape)} on {row.device}"
                                         if isinstance(row, torch.Tensor) else type(row).__name__))
-        with self._index_lock:
-            self._check_open()
-            if not self._inline or not self._started or self._operations or any(
-                    tier.capacity_version != seen for tier, seen in zip(self.tiers, self._capacity_seen, strict=True)):
-                return None
-            for t in reversed(range(len(self.tiers))):
-                if plan.demotions[t]:
-                    self._demote_now(t, plan.demotions[t])
-                if plan.drops[t]:
-                    self._activity[t].evictions += len(plan.drops[t])
-                    self._io_now(t, "delete", plan.drops[t])
-            stored = 0
-            for t, idx in enumerate(plan.writes):
-                if not idx:
-                    continue
-                present = [i for i in idx if rows[i] is not None]
-                done = dict(zip(present, self._io_now(t, "put", [keys[i] for i in present],
-                                                      [rows[i] for i in present]), strict=True))
-                activity = self._activity[t]
-                for i in idx:
-                    ok = done.get(i, False)
-                    self.residency.finish_write(t, keys[i], ok)
-                    if ok:
-                        stored += 1
-                        activity.stores += 1
-                    else:
-                        activity.failed_stores += 1
-                self._changed(keys[i] for i in idx)
-            self._report_removed(k for moves in plan.demotions for k, _ in moves)
-            self._counts["stored_blocks"] += stored
-        return stored
 
     def _demote_now(self, src: int, moves: list[tuple[BlockKey, int]]) -> None:
         """:meth:`_demote` between CPU tiers, on the caller's thread (index lock held)."""
@@ -561,10 +598,8 @@ class AsyncTieredCache:
             for t, idx in enumerate(plan.writes):
                 if not idx:
                     continue
-                settle = self.residency.tiers[t].settle  # Residency.finish_write
                 written = [keys[i] for i in idx]
-                for key in written:
-                    settle(key, ok)
+                self.residency.tiers[t].settle_many(written, ok)  # Residency.finish_write of each
                 changed += written
                 if ok:
                     self._activity[t].stores += len(idx)
@@ -595,21 +630,24 @@ class AsyncTieredCache:
                                  f"index and this worker's tiers are out of step") from None
             for i, view in zip(idx, views, strict=True):
                 buffers[i].copy_(view)
-            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=False, misses_above=False)
+            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=False,
+                                    misses_above=False)
         self._count_load(len(keys))
 
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
-        """Pin each key where a readable copy is, for a read that comes later; thread-safe, never blocks on I/O.
+        """Pin each key where a readable copy is, for a read that comes later; thread-safe, never
+        blocks on I/O.
 
         Per key: the top-most of ``tiers`` (default: every tier kvtier indexes) holding it READY,
         now pinned there, or None (nothing pinned). Until :meth:`release`, a pinned copy is never
-        evicted, demoted away or overwritten (docs/architecture.md#pins), so a :meth:`load` reads it. Meant for
-        engines that promise blocks on another thread than the cache's loop (vLLM's scheduler):
+        evicted, demoted away or overwritten (docs/architecture.md#pins), so a :meth:`load` reads it.
+        Meant for engines that promise blocks on another thread than the cache's loop (vLLM's scheduler):
         one lock instead of a hop to the loop. Self-evicting tiers (Redis) cannot be pinned.
         """
         indexes = self.residency.tiers
         candidates = [(t, indexes[t].entries, indexes[t].pins)
-                      for t in (range(len(indexes)) if tiers is None else tiers) if not self.tiers[t].self_evicting]
+                      for t in (range(len(indexes)) if tiers is None else tiers)
+                      if not self.tiers[t].self_evicting]
         where: list[int | None] = []
         append = where.append
         with self._index_lock:
@@ -617,7 +655,8 @@ class AsyncTieredCache:
             for key in keys:
                 for t, entries, pins in candidates:
                     if entries.get(key) == READY:
-                        pins[key] = pins.get(key, 0) + 1  # TierIndex.pin, inlined: this is an engine's hot path
+                        # TierIndex.pin, inlined: this is an engine's hot path
+                        pins[key] = pins.get(key, 0) + 1
                         append(t)
                         break
                 else:
@@ -641,7 +680,8 @@ class AsyncTieredCache:
                     else:
                         pins.pop(key, None)
 
-    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *, touch: bool = True) -> None:
+    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *,
+                    touch: bool = True) -> None:
         """Copy blocks that :meth:`lease` pinned in memory tiers into ``out``, on the caller's thread.
 
         Thread-safe, no I/O: the copies are memory copies, with no hop to the loop thread — whose
@@ -667,18 +707,25 @@ class AsyncTieredCache:
             with self._index_lock:
                 self._leased_reads -= 1
 
-    def _copy_leased(self, keys: Sequence[BlockKey], buffers: list[torch.Tensor], by_tier: dict[int, list[int]],
-                     touch: bool) -> None:
+    def _copy_leased(self, keys: Sequence[BlockKey], buffers: list[torch.Tensor],
+                     by_tier: dict[int, list[int]], touch: bool) -> None:
         for t, idx in by_tier.items():
             start = time.perf_counter()
-            for i, view in zip(idx, self.tiers[t].views([keys[i] for i in idx]), strict=True):
-                buffers[i].copy_(view)
-            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=touch, misses_above=True)
+            tier = self.tiers[t]
+            # rows of one caller tensor (an engine's load buffer) out of a CPU tier: one call for the batch
+            rows = as_rows([buffers[i] for i in idx]) if type(tier) is CpuTier and len(idx) > 1 else None
+            if rows is None or not cast("CpuTier", tier).read_rows([keys[i] for i in idx], rows):
+                for i, view in zip(idx, tier.views([keys[i] for i in idx]), strict=True):
+                    buffers[i].copy_(view)
+            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=touch,
+                                    misses_above=True)
         self._count_load(len(keys))
 
-    def _count_memory_read(self, t: int, idx: list[int], keys: Sequence[BlockKey], buffers: Sequence[torch.Tensor],
-                           elapsed: float, *, touch: bool, misses_above: bool) -> None:
-        """Counters (and recency, with ``touch``) of blocks copied out of memory tier ``t`` on the caller's thread."""
+    def _count_memory_read(self, t: int, idx: list[int], keys: Sequence[BlockKey],
+                           buffers: Sequence[torch.Tensor], elapsed: float, *, touch: bool,
+                           misses_above: bool) -> None:
+        """Counters (and recency, with ``touch``) of blocks copied out of memory tier ``t`` on the
+        caller's thread."""
         with self._index_lock:
             tier, activity = self.tiers[t], self._activity[t]
             tier.counters.blocks_read += len(idx)
@@ -701,7 +748,8 @@ class AsyncTieredCache:
 
     @_operation
     async def clear(self, tiers: Iterable[int]) -> list[BlockKey]:
-        """Delete every block of ``tiers`` that no read has pinned (an engine's cache reset); return their keys.
+        """Delete every block of ``tiers`` that no read has pinned (an engine's cache reset); return
+        their keys.
 
         Self-evicting tiers (Redis) are skipped: kvtier does not know what they hold.
         """
@@ -828,7 +876,8 @@ class AsyncTieredCache:
 
     async def _forget_lost(self, t: int, keys: list[BlockKey]) -> None:
         """Drop blocks a tier failed to return from the index, unless the tier still holds them (an I/O
-        error, not a lost block): those stay indexed and are retried by later loads (docs/architecture.md#failure-contract)."""
+        error, not a lost block): those stay indexed and are retried by later loads
+        (docs/architecture.md#failure-contract)."""
         if not keys or self.tiers[t].self_evicting:
             return
         held = await self._safe_io(t, "contains", keys)
@@ -1025,6 +1074,14 @@ class AsyncTieredCache:
             log.warning("tier %s: delete of %d blocks failed: %r", tier.name, len(keys), exc)
 
 
+def _take_rows(rows: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """``rows[idx]``: a view when ``idx`` is a run of consecutive rows (a store's usual case), else a copy."""
+    first = idx[0]
+    if idx[-1] - first == len(idx) - 1 and idx == list(range(first, first + len(idx))):
+        return rows[first:first + len(idx)]
+    return rows[torch.tensor(idx, dtype=torch.long)]
+
+
 async def _together(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
     """``asyncio.gather`` of ``calls``, but one call (the usual case: one tier holds a whole batch)
     is awaited in place: no task, no extra turn of the event loop per load or store."""
@@ -1044,7 +1101,8 @@ async def _outcomes(calls: list[Coroutine[Any, Any, T]]) -> list[T | BaseExcepti
 
 
 def _run_now(coro: Coroutine[Any, Any, T]) -> T:
-    """The result of a coroutine that finishes without waiting (a CPU tier's call); RuntimeError if it waits."""
+    """The result of a coroutine that finishes without waiting (a CPU tier's call); RuntimeError if it
+    waits."""
     try:
         coro.send(None)
     except StopIteration as done:
@@ -1084,7 +1142,7 @@ def _length(value: object) -> str:
         return "-"
 
 
-# --- persisting on exit: caches still open at interpreter exit or on SIGTERM are closed (and persist) ---------
+# --- persisting on exit: caches still open at interpreter exit or on SIGTERM are closed (and persist) ---
 _OPEN_CACHES: weakref.WeakSet[TieredCache] = weakref.WeakSet()
 #: caches whose close() started (maybe on the thread a SIGTERM interrupted): exit waits for their persist
 _CLOSING: dict[int, concurrent.futures.Future[None]] = {}
@@ -1166,7 +1224,9 @@ class TieredCache:
             namespace = core.namespace.id if core.namespace else ""
             try:
                 self.metrics_server = MetricsServer(self.stats, port, address, namespace)
-            except OSError as exc:  # the port is taken: stop what started, nothing half-starts (docs/architecture.md#config-errors)
+            except OSError as exc:
+                # the port is taken: stop what started, nothing half-starts
+                # (docs/architecture.md#config-errors)
                 self.close()
                 raise KVTierConfigError("metrics.port", f"cannot serve metrics on {address}:{port}: "
                                                         f"{exc.strerror or exc}") from None
@@ -1197,7 +1257,8 @@ class TieredCache:
         """Start a load; ``out`` must stay untouched until the future is done."""
         return self._submit(self.core.load(keys, out))
 
-    def submit_store(self, keys: Sequence[BlockKey], blocks: Blocks, hints: Sequence[InsertHint] | None = None,
+    def submit_store(self, keys: Sequence[BlockKey], blocks: Blocks,
+                     hints: Sequence[InsertHint] | None = None,
                      predecessors: Sequence[BlockKey | None] | None = None) -> concurrent.futures.Future[int]:
         """Start a store; ``blocks`` must stay unchanged until the future is done."""
         return self._submit(self.core.store(keys, blocks, hints, predecessors))
@@ -1210,7 +1271,8 @@ class TieredCache:
         """See :meth:`AsyncTieredCache.release`."""
         self.core.release(keys, where)
 
-    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *, touch: bool = True) -> None:
+    def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *,
+                    touch: bool = True) -> None:
         """See :meth:`AsyncTieredCache.read_leased` (runs on the caller's thread)."""
         self.core.read_leased(keys, where, out, touch=touch)
 

@@ -89,6 +89,24 @@ class TierIndex:
         else:
             self.discard(key)
 
+    def settle_many(self, keys: Sequence[BlockKey], ok: bool) -> None:
+        """:meth:`settle` of each of ``keys`` (one call per batch: a store's hot path)."""
+        if self.self_evicting:
+            return
+        entries, pins = self.entries, self.pins
+        for key in keys:
+            if key not in entries:
+                continue
+            count = pins.get(key, 0) - 1  # unpin, inlined
+            if count > 0:
+                pins[key] = count
+            else:
+                pins.pop(key, None)
+            if ok:
+                entries[key] = READY
+            else:
+                self.discard(key)
+
     def discard(self, key: BlockKey) -> bool:
         """Forget ``key`` (evicted, deleted, or found corrupt). Returns whether it was present."""
         if self.entries.pop(key, None) is None:

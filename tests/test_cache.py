@@ -421,6 +421,42 @@ def test_execute_now_runs_a_cpu_plan_on_the_callers_thread_bit_exact() -> None:
             core.execute_now(core.plan_store(keys[:1]), keys[:1], [blocks[0]])  # typed, not bytes
 
 
+def test_execute_now_of_one_row_batch_tensor_is_bit_exact_and_names_a_wrong_one() -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(6), random_blocks(6, layout, seed=12)
+    batch = blocks.view(torch.uint8).reshape(6, -1)
+    with TieredCache.from_config(_cpu_only_config(4)) as cache:
+        core = cache.core
+        assert cache.store(keys[1:2], blocks[1:2]) == 1
+        plan = core.plan_store(keys[:3])  # keys[1] is cached: the plan writes keys 0 and 2 (not a run)
+        assert core.execute_now(plan, keys[:3], batch[:3]) == 2
+        assert cache.lookup(keys[:3]) == 3
+        plan = core.plan_store(keys[3:])  # room for one, two victims (the oldest)
+        assert core.execute_now(plan, keys[3:], batch[3:]) == 3
+        out = torch.empty((3, *layout.shape), dtype=layout.dtype)
+        assert cache.load(keys[3:], out) == 3 and same(out, blocks[3:])
+        assert cache.stats().stored_blocks == 1 + 2 + 3
+        with pytest.raises(LayoutMismatch, match=r"rows\[0\] must be a contiguous"):
+            core.execute_now(core.plan_store(keys[:2]), keys[:2], batch[:2, :100])
+        with pytest.raises(LayoutMismatch, match="2 keys but 3 rows"):
+            core.execute_now(core.plan_store(keys[:2]), keys[:2], batch[:3])
+
+
+def test_read_leased_into_one_tensor_copies_each_block_from_its_slot() -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(5), random_blocks(5, layout, seed=13)
+    with TieredCache.from_config(_cpu_only_config(5)) as cache:
+        assert cache.store(keys, blocks) == 5
+        order = [3, 0, 4, 1]  # slots out of step: no row run
+        where = cache.lease([keys[i] for i in order])
+        assert where == [0] * 4
+        out = torch.empty((4, *layout.shape), dtype=layout.dtype)
+        cache.read_leased([keys[i] for i in order], where, out)
+        cache.release([keys[i] for i in order], where)
+        assert same(out, blocks[order])
+        assert cache.stats().tiers[0].hits == 4
+
+
 def test_execute_now_declines_slow_tiers_and_refuses_after_close(two_tier_config: dict[str, Any]) -> None:
     from kvtier import CacheClosed
 

@@ -15,7 +15,7 @@ import logging
 import mmap
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import numpy as np
 import torch
@@ -63,7 +63,8 @@ def _host_register(tensor: torch.Tensor) -> bool:
 
 
 class CpuTier(Tier):
-    """Pinned (when CUDA is there) or plain host memory, ``capacity_bytes[g] // block_bytes`` slots per group."""
+    """Pinned (when CUDA is there) or plain host memory, ``capacity_bytes[g] // block_bytes`` slots per
+    group."""
 
     kind: ClassVar[str] = "cpu"
     addressable: ClassVar[bool] = True
@@ -86,8 +87,18 @@ class CpuTier(Tier):
     def slots(self, group_id: int) -> int:
         return self._slabs[group_id].num_slots
 
-    async def put(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy blocks into slots (an existing key keeps its slot). False when the group's slab is full."""
+    async def put(self, keys: Sequence[BlockKey],
+                  blocks: Sequence[torch.Tensor] | torch.Tensor) -> list[bool]:
+        """Copy blocks into slots (an existing key keeps its slot). False when the group's slab is full.
+
+        ``blocks``: one 1-D uint8 tensor per key, or one ``[n, nbytes]`` uint8 tensor whose rows are the
+        keys' blocks (keys of one group): checked once and copied with one call, not one per block.
+        """
+        if isinstance(blocks, torch.Tensor):
+            if self._is_row_batch(keys, blocks):
+                return self._put_rows(keys, blocks)
+            # not such a batch: one block per row, and the check below names the fault
+            blocks = list(blocks.unbind(0)) if blocks.dim() > 1 else [blocks]
         self.check_buffers(keys, blocks, "blocks")
         start = time.perf_counter()
         ok = [False] * len(keys)
@@ -105,6 +116,35 @@ class CpuTier(Tier):
                 ok[i] = True
             self.counters.blocks_written += len(placed)
             self.counters.bytes_written += len(placed) * slab.slot_bytes
+        self.counters.write_seconds += time.perf_counter() - start
+        return ok
+
+    def _is_row_batch(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> bool:
+        """Whether ``rows`` is a contiguous ``[len(keys), nbytes]`` uint8 CPU tensor of one group's blocks."""
+        if (rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != len(keys) or not keys
+                or rows.device.type != "cpu" or not rows.is_contiguous()):
+            return False
+        group_id = keys[0].group_id
+        slab = self._slabs.get(group_id)
+        return (slab is not None and rows.shape[1] == slab.slot_bytes
+                and all(key.group_id == group_id for key in keys))
+
+    def _put_rows(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> list[bool]:
+        """:meth:`put` of a checked ``[n, nbytes]`` batch of one group: one copy for the whole batch."""
+        start = time.perf_counter()
+        slab = self._slabs[keys[0].group_id]
+        assign = self._slots.assign
+        slots = [assign(key) for key in keys]
+        if None in slots:  # the slab filled up: copy the rows that got a slot
+            placed = [i for i, slot in enumerate(slots) if slot is not None]
+            rows = rows[torch.tensor(placed, dtype=torch.long)]
+            ok = [slot is not None for slot in slots]
+            slots = [slots[i] for i in placed]
+        else:
+            ok = [True] * len(keys)
+        _copy_batch(rows.numpy(), slab.tensor.numpy(), cast("list[int]", slots), into_slab=True)
+        self.counters.blocks_written += len(slots)
+        self.counters.bytes_written += len(slots) * slab.slot_bytes
         self.counters.write_seconds += time.perf_counter() - start
         return ok
 
@@ -149,6 +189,21 @@ class CpuTier(Tier):
             views.append(self._slabs[key.group_id].tensor[slot])
         return views
 
+    def read_rows(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> bool:
+        """Copy the blocks of ``keys`` into ``rows``, a contiguous ``[n, nbytes]`` uint8 CPU tensor, when
+        the keys are of one group: :meth:`views` and a copy per block in one call. False (nothing
+        copied) when ``rows`` is not such a batch. Raises ``KeyError`` for a key without a slot, as
+        :meth:`views` does."""
+        if not self._is_row_batch(keys, rows):
+            return False
+        slot_of = self._slots.slot
+        slots = [slot_of(key) for key in keys]
+        if None in slots:
+            raise KeyError(f"{keys[slots.index(None)]} holds no slot in CPU tier {self.name!r}")
+        slab = self._slabs[keys[0].group_id]
+        _copy_batch(rows.numpy(), slab.tensor.numpy(), cast("list[int]", slots), into_slab=False)
+        return True
+
     async def close(self) -> None:
         for slab in self._slabs.values():
             slab.release()
@@ -175,19 +230,7 @@ def _copy_rows(buffers: list[torch.Tensor], slab: torch.Tensor, slots: list[int]
         return
     rows = as_rows(buffers) if len(buffers) > 1 else None
     if rows is not None and rows.device.type == "cpu":
-        slab_np = slab.numpy()
-        rows_np = rows.numpy()
-        run = strided_rows(slab_np, slots)
-        if run is not None:
-            if into_slab:
-                np.copyto(run, rows_np)
-            else:
-                np.copyto(rows_np, run)
-        elif into_slab:
-            slab_np[np.asarray(slots)] = rows_np
-        else:
-            for row, slot in zip(rows_np, slots, strict=True):
-                np.copyto(row, slab_np[slot])
+        _copy_batch(rows.numpy(), slab.numpy(), slots, into_slab=into_slab)
         return
     if any(buf.device.type != "cpu" for buf in buffers):  # device blocks (GPU tier demotions): torch copies
         for buf, slot in zip(buffers, slots, strict=True):
@@ -202,3 +245,20 @@ def _copy_rows(buffers: list[torch.Tensor], slab: torch.Tensor, slots: list[int]
             np.copyto(slab_np[slot], buf.numpy())
         else:
             np.copyto(buf.numpy(), slab_np[slot])
+
+
+def _copy_batch(rows_np: np.ndarray, slab_np: np.ndarray, slots: list[int], *, into_slab: bool) -> None:
+    """Copy between ``[n, nbytes]`` rows and the slab rows ``slots``: one call when the slots step evenly."""
+    if not slots:
+        return
+    run = strided_rows(slab_np, slots)
+    if run is not None:
+        if into_slab:
+            np.copyto(run, rows_np)
+        else:
+            np.copyto(rows_np, run)
+    elif into_slab:
+        slab_np[np.asarray(slots)] = rows_np
+    else:
+        for row, slot in zip(rows_np, slots, strict=True):
+            np.copyto(row, slab_np[slot])

@@ -63,6 +63,31 @@ def test_wrong_buffer_is_named() -> None:
         asyncio.run(tier.put(make_keys(1, 3), [torch.zeros(layout.nbytes, dtype=torch.uint8)]))
 
 
+def test_put_of_one_row_batch_tensor_matches_put_of_rows_and_fills_what_fits() -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(5), random_blocks(5, layout, seed=3)
+    batch = blocks.view(torch.uint8).reshape(5, -1)
+    tier = CpuTier("cpu", {0: layout}, {0: 3 * layout.nbytes}, pinned=False)
+    assert asyncio.run(tier.put(keys[1:3], batch[1:3])) == [True, True]
+    # keys[1] and keys[2] keep their slots, keys[0] takes the last free one, the rest do not fit
+    assert asyncio.run(tier.put(keys, batch)) == [True, True, True, False, False]
+    assert tier.counters.blocks_written == 2 + 3
+    assert asyncio.run(tier.contains(keys)) == [True, True, True, False, False]
+    for i, view in enumerate(tier.views(keys[:3])):
+        assert torch.equal(view, batch[i])
+
+
+def test_put_of_a_wrong_batch_tensor_is_named() -> None:
+    layout = small_layout()
+    tier = CpuTier("cpu", {0: layout}, {0: 2 * layout.nbytes}, pinned=False)
+    with pytest.raises(LayoutMismatch, match=r"blocks\[0\].*16384 bytes"):
+        asyncio.run(tier.put(make_keys(2), torch.zeros((2, 10), dtype=torch.uint8)))
+    with pytest.raises(LayoutMismatch, match="2 keys but 3 blocks"):
+        asyncio.run(tier.put(make_keys(2), torch.zeros((3, layout.nbytes), dtype=torch.uint8)))
+    with pytest.raises(LayoutMismatch, match=r"blocks\[0\] must be"):
+        asyncio.run(tier.put(make_keys(2), torch.zeros((2, layout.nbytes), dtype=torch.int8)))
+
+
 @given(st.lists(st.integers(0, 15), min_size=0, max_size=16))
 @settings(max_examples=300, deadline=None)
 def test_strided_rows_is_array_rows_or_none(slots: list[int]) -> None:
@@ -101,3 +126,24 @@ def test_batches_in_any_slot_order_round_trip(order: str) -> None:
     assert torch.equal(out.view(torch.uint8), new.view(torch.uint8))
     for k, block in zip(keys, rows(new), strict=True):
         assert torch.equal(tier.views([k])[0], block)
+
+
+@given(st.integers(1, 8), st.lists(st.integers(0, 9), max_size=6),
+       st.lists(st.integers(0, 9), min_size=1, max_size=8))
+@settings(max_examples=60, deadline=None)
+def test_put_of_a_batch_tensor_equals_put_of_its_rows(slots: int, before: list[int],
+                                                      batch_keys: list[int]) -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(10), random_blocks(10, layout, seed=5)
+    data = blocks.view(torch.uint8).reshape(10, -1)
+    tiers = [CpuTier("cpu", {0: layout}, {0: slots * layout.nbytes}, pinned=False) for _ in range(2)]
+    for tier in tiers:
+        asyncio.run(tier.put([keys[i] for i in before], [data[i] for i in before]))
+    picked = [keys[i] for i in batch_keys]
+    rows_batch = data[torch.tensor(batch_keys)]
+    as_batch = asyncio.run(tiers[0].put(picked, rows_batch))
+    assert as_batch == asyncio.run(tiers[1].put(picked, list(rows_batch)))
+    held = [k for k in keys if k in set(tiers[1].keys())]
+    assert sorted(tiers[0].keys()) == sorted(held)
+    for a, b in zip(tiers[0].views(held), tiers[1].views(held), strict=True):
+        assert torch.equal(a, b)

@@ -208,8 +208,9 @@ class KeyCodec:
             raise ValueError(f"an epoch tag is {EPOCH_BYTES} bytes, got {len(epoch)}")
         self.vllm_group_ids = tuple(vllm_group_ids)
         self.epoch = epoch
-        self._suffixes = tuple(gid.to_bytes(4, "big") for gid in self.vllm_group_ids)
-        self._kvtier_group = {suffix: i for i, suffix in enumerate(self._suffixes)}
+        #: per kvtier group id, the 4 bytes ending its offload keys (vLLM's group id)
+        self.suffixes = tuple(gid.to_bytes(4, "big") for gid in self.vllm_group_ids)
+        self._kvtier_group = {suffix: i for i, suffix in enumerate(self.suffixes)}
 
     def block_key(self, offload_key: bytes) -> BlockKey:
         try:
@@ -222,7 +223,7 @@ class KeyCodec:
         return tuple.__new__(BlockKey, (self.epoch + offload_key[:-4], group_id))
 
     def offload_key(self, key: BlockKey) -> bytes:
-        return key.block_hash[EPOCH_BYTES:] + self._suffixes[key.group_id]
+        return key.block_hash[EPOCH_BYTES:] + self.suffixes[key.group_id]
 
     def current(self, key: BlockKey) -> bool:
         """Whether ``key`` belongs to the current epoch (only those are ever served)."""

@@ -17,7 +17,7 @@ import torch
 from kvtier.blocks import BlockKey
 from kvtier.cache import AsyncTieredCache
 from kvtier.config import KVTierConfig
-from kvtier.connectors.vllm.geometry import KeyCodec
+from kvtier.connectors.vllm.geometry import EPOCH_BYTES, KeyCodec
 from kvtier.connectors.vllm.scheduler_index import index_only_cache
 from kvtier.errors import KVTierConfigError, KVTierError
 from kvtier.metrics import CacheStats
@@ -137,30 +137,37 @@ class IndexMirror:
         self._lock = threading.Lock()  # an epoch change and a change of the index never interleave
 
     def residency_changed(self, keys: Sequence[BlockKey]) -> None:
-        loadable, memory, offload_key = self.loadable, self._memory, self.codec.offload_key
+        # KeyCodec.offload_key inlined (hash without its epoch tag + the group's suffix): every store
+        # and every eviction lands here, once per block, on the scheduler's thread
+        loadable, memory, suffixes = self.loadable, self._memory, self.codec.suffixes
+        pop = loadable.pop
         with self._lock:
             epoch = self.codec.epoch
-            if len(memory) == 1:  # the usual case, without a generator per key (every store lands here twice)
-                entries = memory[0]
+            if len(memory) == 1:  # the usual case, without a generator per key
+                get = memory[0].get
                 for key in keys:
-                    if key.block_hash.startswith(epoch):
-                        if entries.get(key) == READY:
-                            loadable[offload_key(key)] = key
+                    block_hash = key.block_hash
+                    if block_hash.startswith(epoch):
+                        if get(key) == READY:
+                            loadable[block_hash[EPOCH_BYTES:] + suffixes[key.group_id]] = key
                         else:
-                            loadable.pop(offload_key(key), None)
+                            pop(block_hash[EPOCH_BYTES:] + suffixes[key.group_id], None)
                 return
             for key in keys:
-                if not key.block_hash.startswith(epoch):
+                block_hash = key.block_hash
+                if not block_hash.startswith(epoch):
                     continue
                 if any(entries.get(key) == READY for entries in memory):
-                    loadable[offload_key(key)] = key
+                    loadable[block_hash[EPOCH_BYTES:] + suffixes[key.group_id]] = key
                 else:
-                    loadable.pop(offload_key(key), None)
+                    pop(block_hash[EPOCH_BYTES:] + suffixes[key.group_id], None)
 
     def blocks_removed(self, keys: Sequence[BlockKey]) -> None:
+        suffixes = self.codec.suffixes
         with self._lock:
-            current = self.codec.current
-            self.removed.extend(self.codec.offload_key(key) for key in keys if current(key))
+            epoch = self.codec.epoch
+            self.removed.extend([key.block_hash[EPOCH_BYTES:] + suffixes[key.group_id]
+                                 for key in keys if key.block_hash.startswith(epoch)])
 
     def new_epoch(self) -> None:
         """Move the codec to a fresh epoch and forget everything mirrored or pending report."""
@@ -458,10 +465,12 @@ class OffloadRuntime:
                 sources.append(LOST)
         return sources
 
-    def store(self, plan: Plan | None, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None],
-              copied: Any = None, *, placed: bool = False) -> concurrent.futures.Future[int]:
+    def store(self, plan: Plan | None, keys: Sequence[BlockKey],
+              rows: Sequence[torch.Tensor | None] | torch.Tensor, copied: Any = None, *,
+              placed: bool = False) -> concurrent.futures.Future[int]:
         """Run the manager's store plan with the blocks' bytes (``[nbytes]`` uint8 rows, None for one whose
-        pages never came); the future says how many are now cached.
+        pages never came; or one ``[n, nbytes]`` uint8 tensor of them all); the future says how many are
+        now cached.
 
         With CPU tiers only and the bytes already there (no CUDA event to wait for), the plan runs on
         the caller's thread (:meth:`AsyncTieredCache.execute_now`): no wake-up of the loop thread per
@@ -479,8 +488,8 @@ class OffloadRuntime:
         self._last_write = self.submit(self.write(plan, keys, blocks, copied, placed=placed))
         return self._last_write
 
-    def _current_rows(self, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None],
-                      placed: bool) -> Sequence[torch.Tensor | None]:
+    def _current_rows(self, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None] | torch.Tensor,
+                      placed: bool) -> Sequence[torch.Tensor | None] | torch.Tensor:
         """``rows`` without the blocks of an epoch before a reset (never stored: never served again)."""
         current = self.codec.current
         if placed or all(current(key) for key in keys):

@@ -108,6 +108,7 @@ class KVTierOffloadWorkerCore:
         keys = list(dst_spec.keys)
         rows: list[torch.Tensor | None] = [None] * len(keys)  # a chunk without its pages: its writes fail
         order = {key: i for i, key in enumerate(keys)}
+        batch: torch.Tensor | None = None
         nbytes = 0
         groups = split_by_group(keys, src_spec.block_ids, getattr(src_spec, "group_sizes", ()),
                                 len(self.movers))
@@ -122,10 +123,14 @@ class KVTierOffloadWorkerCore:
                 continue
             raw = self.runtime.empty_rows(g, len(group_keys), pinned=self._stream is not None)
             self.movers[g].gather(torch.from_numpy(ids), raw)
-            for key, row in zip(group_keys, raw, strict=True):
-                rows[order[key]] = row
+            if len(group_keys) == len(keys):  # one group holds every key, in order: its rows are the batch
+                batch = raw
+            else:
+                for key, row in zip(group_keys, raw, strict=True):
+                    rows[order[key]] = row
             nbytes += raw.numel()
-        future = self.runtime.store(dst_spec.plan, keys, rows, self._copies_done(), placed=dst_spec.placed)
+        future = self.runtime.store(dst_spec.plan, keys, rows if batch is None else batch,
+                                    self._copies_done(), placed=dst_spec.placed)
         self._jobs[job_id] = _Job(future, is_load=False, nbytes=nbytes, started=time.perf_counter())
         return True
 
