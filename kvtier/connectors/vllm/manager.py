@@ -24,7 +24,8 @@ from kvtier.residency import Plan
 @dataclass(frozen=True)
 class BlockTransferSpec:
     """What the manager tells the worker: the blocks to move; for loads, where each one is pinned; for
-    stores, the manager's :class:`~kvtier.residency.Plan` (writes per tier, demotions, drops) over ``keys``."""
+    stores, the manager's :class:`~kvtier.residency.Plan` (writes per tier, demotions, drops) over
+    ``keys``."""
 
     keys: tuple[BlockKey, ...]
     sources: tuple[int, ...] = ()
@@ -283,7 +284,8 @@ class KVTierOffloadManager:
             used.extend(block_keys)
 
     # --- stores -------------------------------------------------------------------------------------
-    def plan_store(self, keys: Sequence[bytes], req_context: Any = None) -> tuple[list[bytes], BlockTransferSpec] | None:
+    def plan_store(self, keys: Sequence[bytes],
+                   req_context: Any = None) -> tuple[list[bytes], BlockTransferSpec] | None:
         """Decide now where the chunks go, and what that evicts; the worker then only moves bytes.
 
         Returns the chunks to store (those no memory tier holds and not already being stored, that a

@@ -218,7 +218,8 @@ class OffloadRuntime:
         self.mirror = IndexMirror(codec, self.residency, self.memory_tiers)
         self.core.add_watcher(self.mirror)
         self.metrics_server: MetricsServer | None = None
-        if self.core.metrics_endpoint is not None:  # metrics.port (+ the TP rank): kvtier's counters per worker
+        # metrics.port (+ the TP rank): kvtier's counters per worker
+        if self.core.metrics_endpoint is not None:
             address, port = self.core.metrics_endpoint
             port += config.model.tp_rank
             namespace = self.core.namespace.id if self.core.namespace else ""
@@ -271,7 +272,8 @@ class OffloadRuntime:
             self._loop.close()
 
     # --- block buffers ------------------------------------------------------------------------------
-    def empty_blocks(self, group_id: int, count: int, *, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def empty_blocks(self, group_id: int, count: int, *,
+                     pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``count`` blocks of a group: (``[count, nbytes]`` uint8, the same memory typed as the layout).
 
         ``pinned``: page-locked (torch's caching host allocator reuses freed ones), for CUDA page moves.
@@ -281,9 +283,11 @@ class OffloadRuntime:
         return raw, raw.view(layout.dtype).view(count, *layout.shape)
 
     def empty_rows(self, group_id: int, count: int, *, pinned: bool = False) -> torch.Tensor:
-        """``count`` blocks of a group as ``[count, nbytes]`` uint8 (:meth:`empty_blocks` without the typed view)."""
+        """``count`` blocks of a group as ``[count, nbytes]`` uint8 (:meth:`empty_blocks` without the
+        typed view)."""
         nbytes = self.core.layouts[group_id].nbytes
-        if torch.is_inference_mode_enabled():  # vLLM's worker runs in inference mode; kvtier's loop writes these
+        # vLLM's worker runs in inference mode; kvtier's loop writes these
+        if torch.is_inference_mode_enabled():
             with torch.inference_mode(False):
                 return torch.empty((count, nbytes), dtype=torch.uint8, pin_memory=pinned)
         return torch.empty((count, nbytes), dtype=torch.uint8, pin_memory=pinned)
@@ -326,7 +330,8 @@ class OffloadRuntime:
                                      for i in range(len(keys))]
         missing = [i for i, source in enumerate(sources) if source is None]
         if missing:
-            for i, source in zip(missing, self.call(self._read_back([keys[i] for i in missing])), strict=True):
+            found = self.call(self._read_back([keys[i] for i in missing]))
+            for i, source in zip(missing, found, strict=True):
                 sources[i] = source
         return tuple(source if source is not None else LOST for source in sources)
 
@@ -536,7 +541,8 @@ _REGISTRY_LOCK = threading.Lock()
 
 
 def register_runtime(engine_id: str, runtime: OffloadRuntime) -> None:
-    """Make ``runtime`` the one of ``engine_id`` in this process (a re-created worker replaces the old one)."""
+    """Make ``runtime`` the one of ``engine_id`` in this process (a re-created worker replaces the old
+    one)."""
     with _REGISTRY_LOCK:
         previous = _RUNTIMES.get(engine_id)
         _RUNTIMES[engine_id] = runtime
