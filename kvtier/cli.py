@@ -3,6 +3,9 @@
 Thin: parses arguments, calls the library, prints with rich (text from configs, paths and errors is
 escaped, never read as markup). Exit codes: 0 ok, 1 the job failed (e.g. a verification mismatch),
 2 bad usage or config. ``--help``, ``--version`` and ``check`` never import torch.
+
+One module (about 500 lines) because the commands share their argument types, the problem printing
+and the parser; ``replay``, the largest, lives in :mod:`kvtier.cli_replay`.
 """
 
 from __future__ import annotations

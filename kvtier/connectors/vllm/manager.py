@@ -2,6 +2,11 @@
 
 Independent of vLLM's classes (``kvtier.connectors.vllm.spec`` subclasses it as vLLM's manager), so
 the main suite drives it with a harness.
+
+One module (over 500 lines) because every call reads and changes the same per-engine state on
+vLLM's scheduler thread: the loadable map, the stores in flight, the plans to settle and the slow-tier
+blocks being staged; the stage channel's wire side is :mod:`.stage_channel`, the index
+:mod:`.scheduler_index`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """One engine's kvtier state: the async cache on a private loop thread, verified staging for loads,
 and the mirror of kvtier's index that the scheduler's lookups read.
+
+One module (over 500 lines) because the three share one engine's cache, lock and loop thread: the
+mirror is updated by the cache's change notifications, the staging area is filled by the cache's
+reads and emptied by the worker's loads.
 """
 
 from __future__ import annotations
