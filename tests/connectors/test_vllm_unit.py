@@ -160,6 +160,15 @@ class Harness:
         return [layer[block_id].clone() for layer in self.pages[group]]
 
 
+def block_bytes() -> int:
+    """Bytes of one block of the harness's model (a probe harness, closed again)."""
+    probe = Harness([{"type": "cpu", "capacity": "1MiB"}])
+    try:
+        return probe.runtime.core.layouts[0].nbytes
+    finally:
+        probe.close()
+
+
 @pytest.fixture
 def cpu_tier() -> list[dict[str, Any]]:
     return [{"type": "cpu", "capacity": "4MiB"}]
@@ -503,7 +512,7 @@ def test_redis_tier_answers_retry_while_it_is_asked(tmp_path: Path) -> None:
 
 
 def test_leased_blocks_survive_stores_that_evict(tmp_path: Path) -> None:
-    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    block = block_bytes()
     h = Harness([{"type": "cpu", "capacity": 4 * block}], num_blocks=16)
     try:
         keys = h.keys(4)
@@ -656,7 +665,7 @@ def test_prepare_load_and_the_read_never_wait_for_kvtiers_loop_thread(cpu_tier: 
 
 
 def test_lookups_follow_evictions_and_removals_are_reported_once() -> None:
-    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    block = block_bytes()
     h = Harness([{"type": "cpu", "capacity": 4 * block}], num_blocks=16, enable_events=True)
     try:
         first, second = h.keys(4), h.keys(4, salt=1)
@@ -705,7 +714,7 @@ def test_a_block_read_again_after_its_staged_copy_was_loaded_is_never_absent(tmp
 
 
 def test_the_store_that_evicts_reports_it_and_touch_decides_the_victim() -> None:
-    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    block = block_bytes()
     h = Harness([{"type": "cpu", "capacity": 2 * block}])
     try:
         first, second, third = h.keys(3)
@@ -726,7 +735,7 @@ def test_the_store_that_evicts_reports_it_and_touch_decides_the_victim() -> None
 
 
 def test_a_load_does_not_refresh_recency_only_touch_does() -> None:
-    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    block = block_bytes()
     h = Harness([{"type": "cpu", "capacity": 2 * block}])
     try:
         first, second, third = h.keys(3)
@@ -778,7 +787,7 @@ class Ranks:
 
 
 def test_ranks_in_other_processes_hold_their_own_bytes_of_the_blocks_the_manager_placed() -> None:
-    block = Harness([{"type": "cpu", "capacity": "1MiB"}]).runtime.core.layouts[0].nbytes
+    block = block_bytes()
     ranks = Ranks([{"type": "cpu", "capacity": 3 * block, "eviction": "lru"}])
     try:
         keys = ranks.workers[0].keys(3)

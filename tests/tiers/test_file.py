@@ -159,6 +159,18 @@ def test_a_long_batch_shared_by_the_threads_keeps_every_result_in_place(tmp_path
     run(tier.close())
 
 
+async def cancel_get_once_reading(tier: FileTier, keys: list, out: list[torch.Tensor],
+                                  started: threading.Event, release: threading.Event) -> None:
+    """Cancel ``tier.get(keys, out)`` once a read has started, then let the blocked read finish."""
+    task = asyncio.ensure_future(tier.get(keys, out))
+    await asyncio.to_thread(started.wait, 10)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 def test_a_cancelled_get_takes_no_further_blocks_and_leaves_buffers_alone(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Cancelling a get stops the I/O threads after the block each is reading; once the cancellation
@@ -181,16 +193,7 @@ def test_a_cancelled_get_takes_no_further_blocks_and_leaves_buffers_alone(
     monkeypatch.setattr(os, "preadv", slow_preadv)
     out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
 
-    async def cancel_mid_batch() -> None:
-        task = asyncio.ensure_future(tier.get(keys, out))
-        await asyncio.to_thread(started.wait, 10)
-        task.cancel()
-        await asyncio.sleep(0.05)
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    run(cancel_mid_batch())
+    run(cancel_get_once_reading(tier, keys, out, started, release))
     read_then = len(reads)
     snapshot = [o.clone() for o in out]
     threading.Event().wait(0.2)
@@ -268,16 +271,7 @@ def test_a_cancelled_get_reads_none_of_its_put_off_blocks(tmp_path: Path,
     monkeypatch.setattr(os, "preadv", nowait_fails)
     out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
 
-    async def cancel_in_the_second_pass() -> None:
-        task = asyncio.ensure_future(tier.get(keys, out))
-        await asyncio.to_thread(started.wait, 10)
-        task.cancel()
-        await asyncio.sleep(0.05)
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    run(cancel_in_the_second_pass())
+    run(cancel_get_once_reading(tier, keys, out, started, release))
     read_then = len(waited)
     snapshot = [o.clone() for o in out]
     threading.Event().wait(0.2)
