@@ -462,8 +462,9 @@ class AsyncTieredCache:
         group), checked once and copied into each tier with one call. Returns how many of ``keys``
         are now cached.
         """
-        if len(rows) != len(keys):
-            raise LayoutMismatch(f"{len(keys)} keys but {len(rows)} rows")
+        count = rows.shape[0] if isinstance(rows, torch.Tensor) and rows.dim() else len(rows)
+        if count != len(keys):
+            raise LayoutMismatch(f"{len(keys)} keys but {count} rows")
         batch = self._row_batch(keys, rows) if isinstance(rows, torch.Tensor) else None
         if batch is None:
             self._check_rows(keys, rows)
@@ -484,8 +485,9 @@ class AsyncTieredCache:
                 if not idx:
                     continue
                 written = [keys[i] for i in idx]
-                if batch is not None:  # every row is there: the tier copies the batch in one call
-                    oks = self._io_now(t, "put", written, _take_rows(batch, idx))
+                if batch is not None:  # every row is there, checked: the tier copies the batch in one call
+                    oks = self._io_now(t, "put", written, _take_rows(batch, idx),
+                                       call=cast("CpuTier", self.tiers[t]).put_rows)
                 else:
                     present = [i for i in idx if rows[i] is not None]
                     done = dict(zip(present, self._io_now(t, "put", [keys[i] for i in present],
@@ -556,16 +558,35 @@ class AsyncTieredCache:
                     self._activity[dst].failed_stores += 1
             self._changed(keys[i] for i in idx)
 
-    def _io_now(self, t: int, op: str, keys: list[BlockKey], *args: Any) -> list[bool]:
-        """:meth:`_safe_io` for a CPU tier, on the caller's thread: its coroutines finish without waiting."""
+    def _io_now(self, t: int, op: str, keys: list[BlockKey], *args: Any,
+                call: Callable[..., list[bool] | None] | None = None) -> list[bool]:
+        """:meth:`_safe_io` for a CPU tier, on the caller's thread: ``call`` or its synchronous ``<op>_now``
+        when it has one (no coroutine per call: a store's hot path), else its coroutine, which finishes
+        without waiting."""
+        if not keys:
+            return []
+        tier = self.tiers[t]
+        if call is None:
+            call = getattr(tier, f"{op}_now", None)
+        if call is None:
+            try:
+                result = _run_now(self._safe_io(t, op, keys, *args))
+            except RuntimeError as exc:  # the tier's call waited: it cannot run here
+                tier.counters.error(type(exc).__name__)
+                log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
+                return [False] * len(keys)
+            return [True] * len(keys) if result is None else result
+        start = time.perf_counter()
         try:
-            result = _run_now(self._safe_io(t, op, keys, *args))
-        except RuntimeError as exc:  # the tier's call waited: it cannot run here
-            tier = self.tiers[t]
+            done = call(keys, *args)
+        except LayoutMismatch:
+            raise
+        except Exception as exc:  # as _safe_io: logged, counted, all-False
             tier.counters.error(type(exc).__name__)
             log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
             return [False] * len(keys)
-        return [True] * len(keys) if result is None else result
+        self._activity[t].observe(op, time.perf_counter() - start)
+        return [True] * len(keys) if done is None else done
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark each key recently used in the top-most tier holding it READY (thread-safe, no I/O)."""
@@ -630,8 +651,8 @@ class AsyncTieredCache:
                                  f"index and this worker's tiers are out of step") from None
             for i, view in zip(idx, views, strict=True):
                 buffers[i].copy_(view)
-            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=False,
-                                    misses_above=False)
+            self._count_memory_read(t, idx, keys, sum(buffers[i].numel() for i in idx),
+                                    time.perf_counter() - start, touch=False, misses_above=False)
         self._count_load(len(keys))
 
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
@@ -690,46 +711,74 @@ class AsyncTieredCache:
         itself, through :meth:`touch`); does not promote (the caller chose the copy where it
         is). The pins stay: :meth:`release` them after. Raises ``ValueError`` for a key that is not
         pinned READY in its memory tier (a caller bug: such a copy could change under the read).
+        ``out`` may also be one contiguous ``[len(keys), nbytes]`` uint8 CPU tensor of one group's rows
+        (an engine's load buffer): checked once for the batch and filled with one copy per tier.
         """
-        buffers = self._byte_blocks(keys, out, "out")
+        # one [n, nbytes] uint8 tensor of one group's rows (an engine's load buffer): checked once, never
+        # split into a tensor per block
+        batch = self._row_batch(keys, out) if isinstance(out, torch.Tensor) and keys else None
+        buffers = None if batch is not None else self._byte_blocks(keys, out, "out")
         by_tier: dict[int, list[int]] = {}
+        indexes, tiers = self.residency.tiers, self.tiers
         with self._index_lock:
             self._check_open()
-            for i, (key, t) in enumerate(zip(keys, where, strict=True)):
-                index = self.residency.tiers[t]
-                if not self.tiers[t].addressable or key not in index.pins or not index.is_ready(key):
-                    raise ValueError(f"{key} is not leased in memory tier {self.tiers[t].name}")
-                by_tier.setdefault(t, []).append(i)
+            first = where[0] if len(where) == len(keys) and keys else None
+            if first is not None and where.count(first) == len(where) and tiers[first].addressable:
+                # one memory tier holds them all (the usual case): one pass over the keys, no per-key tier
+                pins, entries = indexes[first].pins, indexes[first].entries
+                for key in keys:
+                    if key not in pins or entries.get(key) != READY:
+                        raise ValueError(f"{key} is not leased in memory tier {tiers[first].name}")
+                by_tier[first] = list(range(len(keys)))
+            for i, (key, t) in enumerate(zip(keys, where, strict=True) if not by_tier else ()):
+                index = indexes[t]
+                if not tiers[t].addressable or key not in index.pins or index.entries.get(key) != READY:
+                    raise ValueError(f"{key} is not leased in memory tier {tiers[t].name}")
+                idx = by_tier.get(t)
+                if idx is None:
+                    by_tier[t] = [i]
+                else:
+                    idx.append(i)
             self._leased_reads += 1
         try:
-            self._copy_leased(keys, buffers, by_tier, touch)
+            self._copy_leased(keys, batch, buffers, by_tier, touch)
         finally:
             with self._index_lock:
                 self._leased_reads -= 1
 
-    def _copy_leased(self, keys: Sequence[BlockKey], buffers: list[torch.Tensor],
-                     by_tier: dict[int, list[int]], touch: bool) -> None:
+    def _copy_leased(self, keys: Sequence[BlockKey], batch: torch.Tensor | None,
+                     buffers: list[torch.Tensor] | None, by_tier: dict[int, list[int]], touch: bool) -> None:
+        """Copy leased blocks into ``batch`` (``[n, nbytes]`` rows) or ``buffers`` (1-D, one per key)."""
         for t, idx in by_tier.items():
             start = time.perf_counter()
             tier = self.tiers[t]
+            whole = len(idx) == len(keys)
+            tier_keys = keys if whole else [keys[i] for i in idx]
             # rows of one caller tensor (an engine's load buffer) out of a CPU tier: one call for the batch
-            rows = as_rows([buffers[i] for i in idx]) if type(tier) is CpuTier and len(idx) > 1 else None
-            if rows is None or not cast("CpuTier", tier).read_rows([keys[i] for i in idx], rows):
-                for i, view in zip(idx, tier.views([keys[i] for i in idx]), strict=True):
-                    buffers[i].copy_(view)
-            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=touch,
+            if batch is not None:
+                rows = batch if whole else None
+                nbytes = len(idx) * batch.shape[1]
+            else:
+                assert buffers is not None
+                rows = as_rows([buffers[i] for i in idx]) if type(tier) is CpuTier and len(idx) > 1 else None
+                nbytes = sum(buffers[i].numel() for i in idx)
+            if rows is None or type(tier) is not CpuTier or \
+                    not cast("CpuTier", tier).read_rows(tier_keys, rows):
+                targets = batch.unbind(0) if batch is not None else cast("list[torch.Tensor]", buffers)
+                for i, view in zip(idx, tier.views(tier_keys), strict=True):
+                    targets[i].copy_(view)
+            self._count_memory_read(t, idx, keys, nbytes, time.perf_counter() - start, touch=touch,
                                     misses_above=True)
         self._count_load(len(keys))
 
-    def _count_memory_read(self, t: int, idx: list[int], keys: Sequence[BlockKey],
-                           buffers: Sequence[torch.Tensor], elapsed: float, *, touch: bool,
-                           misses_above: bool) -> None:
+    def _count_memory_read(self, t: int, idx: list[int], keys: Sequence[BlockKey], nbytes: int,
+                           elapsed: float, *, touch: bool, misses_above: bool) -> None:
         """Counters (and recency, with ``touch``) of blocks copied out of memory tier ``t`` on the
-        caller's thread."""
+        caller's thread (``nbytes`` of them)."""
         with self._index_lock:
             tier, activity = self.tiers[t], self._activity[t]
             tier.counters.blocks_read += len(idx)
-            tier.counters.bytes_read += sum(buffers[i].numel() for i in idx)
+            tier.counters.bytes_read += nbytes
             tier.counters.read_seconds += elapsed
             activity.observe("get", elapsed)
             activity.hits += len(idx)

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier import AsyncTieredCache, BlockKey, LayoutMismatch, TieredCache
 from kvtier.tiers.base import Tier
@@ -455,6 +457,31 @@ def test_read_leased_into_one_tensor_copies_each_block_from_its_slot() -> None:
         cache.release([keys[i] for i in order], where)
         assert same(out, blocks[order])
         assert cache.stats().tiers[0].hits == 4
+
+
+@settings(max_examples=30, deadline=None)
+@given(order=st.permutations(range(5)), count=st.integers(1, 5))
+def test_read_leased_into_raw_rows_equals_the_typed_read(order: list[int], count: int) -> None:
+    """An engine's ``[n, nbytes]`` uint8 load buffer is filled with each key's bytes, as a typed tensor is;
+    a key not leased is refused before anything is copied."""
+    layout = small_layout()
+    keys, blocks = make_keys(5), random_blocks(5, layout, seed=17)
+    chosen = [keys[i] for i in order[:count]]
+    with TieredCache.from_config(_cpu_only_config(5)) as cache:
+        assert cache.store(keys, blocks) == 5
+        rows = torch.zeros((count, layout.nbytes), dtype=torch.uint8)
+        with pytest.raises(ValueError, match="not leased"):
+            cache.read_leased(chosen, [0] * count, rows)
+        assert not rows.any()
+        where = cache.lease(chosen)
+        cache.read_leased(chosen, where, rows)
+        typed = torch.empty((count, *layout.shape), dtype=layout.dtype)
+        cache.read_leased(chosen, where, typed)
+        cache.release(chosen, where)
+        assert torch.equal(rows, typed.view(torch.uint8).view(count, -1))
+        assert same(typed, blocks[order[:count]])
+        stats = cache.stats()
+        assert stats.tiers[0].hits == 2 * count and stats.tiers[0].bytes_read == 2 * count * layout.nbytes
 
 
 def test_execute_now_declines_slow_tiers_and_refuses_after_close(two_tier_config: dict[str, Any]) -> None:

@@ -366,6 +366,12 @@ class OffloadRuntime:
         try:
             if LOST in sources:
                 return False
+            if STAGED not in sources:  # the usual case: every block pinned in a memory tier
+                # a worker's [n, nbytes] load buffer goes as it is: the cache checks it once for the batch
+                raw = isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.dim() == 2
+                self.core.read_leased(keys, sources, out if raw else self._typed_blocks(keys, out),
+                                      touch=False)
+                return True
             from_tiers = [i for i, source in enumerate(sources) if source >= 0]
             for i, source in enumerate(sources):
                 if source == STAGED:
@@ -500,9 +506,10 @@ class OffloadRuntime:
     def _current_rows(self, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None] | torch.Tensor,
                       placed: bool) -> Sequence[torch.Tensor | None] | torch.Tensor:
         """``rows`` without the blocks of an epoch before a reset (never stored: never served again)."""
-        current = self.codec.current
-        if placed or all(current(key) for key in keys):
+        epoch = self.codec.epoch
+        if placed or all([key.block_hash.startswith(epoch) for key in keys]):  # KeyCodec.current, inlined
             return rows
+        current = self.codec.current
         return [row if current(key) else None for key, row in zip(keys, rows, strict=True)]
 
     async def write(self, plan: Plan | None, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor | None],
