@@ -91,6 +91,11 @@ class PageMover:
         #: host pages as numpy arrays of their words: a worker moves a few KiB per job, where numpy's
         #: per-call cost is a fraction of torch's (views, index_select, index_copy_); None off the host
         self._host = _host_pages(self.pages, self._words) if self.device.type == "cpu" else None
+        #: the same as ``[num_blocks, words]`` where every page is one dense row and a chunk is one engine
+        #: block (the usual case): a move is then one ``np.take`` or indexed assignment per region
+        self._host_rows = [pages.reshape(pages.shape[0], -1) for pages in self._host] \
+            if self._host is not None and blocks_per_chunk == 1 and all(p.shape[1] == 1 for p in self._host) \
+            else None
 
     @functools.cached_property
     def _pieces(self) -> _Pieces:
@@ -163,7 +168,7 @@ class PageMover:
         """Copy engine blocks ``block_ids`` (``n × blocks_per_chunk`` of them) into ``n`` blocks ``out``."""
         blocks = self._block_rows(out, "out")
         n, bpc = blocks.shape[0], self.blocks_per_chunk
-        if self._host is not None and not isinstance(block_ids, range) and blocks.device.type == "cpu":
+        if self._host is not None and not isinstance(block_ids, range) and blocks.is_cpu:
             self._gather_host(self._host_ids(block_ids, n * bpc, "gather"), blocks.numpy())
             return
         ids = self._ids(block_ids, n * bpc, "gather")
@@ -189,7 +194,7 @@ class PageMover:
         if skip < 0 or skip + count > n * bpc:
             raise LayoutMismatch(f"{count} engine blocks from {n} offloaded blocks of {bpc} "
                                  f"(skipping {skip}) do not fit")
-        if self._host is not None and not isinstance(block_ids, range) and source.device.type == "cpu":
+        if self._host is not None and not isinstance(block_ids, range) and source.is_cpu:
             self._scatter_host(source.numpy(), self._host_ids(block_ids, count, "scatter"), skip)
             return
         ids = self._ids(block_ids, count, "scatter")
@@ -215,6 +220,10 @@ class PageMover:
     def _gather_host(self, ids: np.ndarray, blocks: np.ndarray) -> None:
         """:meth:`gather` on the host: one ``np.take`` per region (per engine block of a chunk)."""
         n, bpc = blocks.shape[0], self.blocks_per_chunk
+        if self._host_rows is not None:
+            for rows, offset, size in zip(self._host_rows, self.offsets, self.page_sizes, strict=True):
+                np.take(rows, ids, axis=0, out=blocks[:, offset:offset + size].view(rows.dtype))
+            return
         for pages, offset, size in zip(cast("list[np.ndarray]", self._host), self.offsets, self.page_sizes,
                                        strict=True):
             # a view (splitting the contiguous last axis never copies): [n, bpc, *page] in the page's words
@@ -228,6 +237,10 @@ class PageMover:
     def _scatter_host(self, blocks: np.ndarray, ids: np.ndarray, skip: int) -> None:
         """:meth:`scatter` on the host: one indexed assignment per region (per engine block of a chunk)."""
         n, bpc, count = blocks.shape[0], self.blocks_per_chunk, ids.shape[0]
+        if self._host_rows is not None:
+            for rows, offset, size in zip(self._host_rows, self.offsets, self.page_sizes, strict=True):
+                rows[ids] = blocks[skip:skip + count, offset:offset + size].view(rows.dtype)
+            return
         for pages, offset, size in zip(cast("list[np.ndarray]", self._host), self.offsets, self.page_sizes,
                                        strict=True):
             src = blocks[:, offset:offset + size * bpc].view(pages.dtype).reshape(n, bpc, *pages.shape[1:])
@@ -245,16 +258,15 @@ class PageMover:
     def _host_ids(self, block_ids: torch.Tensor | np.ndarray, count: int, what: str) -> np.ndarray:
         """Engine block ids as a 1-D numpy integer array, checked in range once for the batch (numpy
         would wrap a negative id around: never served, refused here)."""
-        if isinstance(block_ids, torch.Tensor):
-            if block_ids.device.type != "cpu":
-                block_ids = block_ids.cpu()
-            block_ids = block_ids.numpy()
+        if not isinstance(block_ids, np.ndarray):  # a tensor
+            block_ids = block_ids.cpu().numpy()
         ids = block_ids.reshape(-1)
         if ids.shape[0] != count:
             raise LayoutMismatch(f"{what} needs {count} engine block ids, got {ids.shape[0]}")
         if ids.dtype.kind not in "iu":
             raise LayoutMismatch(f"{what}: engine block ids must be integers, got {ids.dtype}")
-        if count and (ids.min() < 0 or ids.max() >= self.num_blocks):
+        # one reduction for both bounds: a negative id read unsigned is past every block
+        if count and ids.view(f"u{ids.itemsize}").max() >= self.num_blocks:
             raise LayoutMismatch(f"{what}: engine block ids must lie in [0, {self.num_blocks}), got "
                                  f"{ids.min()} to {ids.max()}")
         return ids
