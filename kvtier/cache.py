@@ -1135,12 +1135,13 @@ def _run_now(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def _chain_hints(keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None,
-                 predecessors: Sequence[BlockKey | None] | None) -> Sequence[InsertHint]:
-    """Insert hints for a store: given, or positions in the call; predecessors folded in, checked."""
+                 predecessors: Sequence[BlockKey | None] | None) -> Sequence[InsertHint] | None:
+    """Insert hints for a store: given, or positions in the call; predecessors folded in, checked.
+    None when neither is given (the residency then uses the positions, without a hint per key)."""
     if hints is not None and len(hints) != len(keys):
         raise ValueError(f"hints has {len(hints)} entries for {len(keys)} keys")
     if predecessors is None:
-        return hints if hints is not None else [InsertHint(position=i) for i in range(len(keys))]
+        return hints
     if isinstance(predecessors, (str, bytes)) or len(predecessors) != len(keys):
         raise ValueError(f"predecessors must be a sequence of BlockKey or None aligned with keys "
                          f"({len(keys)} keys), got {_length(predecessors)} entries")
