@@ -162,10 +162,34 @@ def verify_payload(header_buf: bytes | bytearray | memoryview, header: BlockHead
     pview = memoryview(payload).cast("B")  # type: ignore[arg-type]
     if pview.nbytes != header.payload_len:
         raise CorruptBlock(f"payload has {pview.nbytes} bytes, header says {header.payload_len}")
-    zeroed = bytearray(memoryview(header_buf).cast("B")[:HEADER_SIZE])
-    zeroed[_CHECKSUM_OFFSET:_CHECKSUM_OFFSET + 8] = bytes(8)
-    if _checksum(zeroed, pview) != header.checksum:
-        raise CorruptBlock(f"checksum mismatch for {header.key}")
+    running = PayloadChecksum(header_buf, header)
+    running.update(pview)
+    running.verify()
+
+
+class PayloadChecksum:
+    """:func:`verify_payload` in pieces: feed the payload as it arrives (each piece while it is still in
+    the CPU cache, right after a receive wrote it), then :meth:`verify`."""
+
+    __slots__ = ("header", "_hash", "_fed")
+
+    def __init__(self, header_buf: bytes | bytearray | memoryview, header: BlockHeader) -> None:
+        zeroed = bytearray(memoryview(header_buf).cast("B")[:HEADER_SIZE])
+        zeroed[_CHECKSUM_OFFSET:_CHECKSUM_OFFSET + 8] = bytes(8)
+        self.header = header
+        self._hash = xxhash.xxh3_64(zeroed)
+        self._fed = 0
+
+    def update(self, piece: bytes | bytearray | memoryview | np.ndarray) -> None:
+        self._hash.update(piece)  # type: ignore[arg-type]
+        self._fed += memoryview(piece).nbytes  # type: ignore[arg-type]
+
+    def verify(self) -> None:
+        """Raise :class:`CorruptBlock` unless exactly the header's payload length was fed and matches."""
+        if self._fed != self.header.payload_len:
+            raise CorruptBlock(f"payload has {self._fed} bytes, header says {self.header.payload_len}")
+        if self._hash.intdigest() != self.header.checksum:
+            raise CorruptBlock(f"checksum mismatch for {self.header.key}")
 
 
 def decode_payload_into(header: BlockHeader, payload: bytes | bytearray | memoryview, out: np.ndarray,

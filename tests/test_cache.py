@@ -499,3 +499,26 @@ def test_execute_now_declines_slow_tiers_and_refuses_after_close(two_tier_config
     cache.close()
     with pytest.raises(CacheClosed):
         cache.core.execute_now(plan, keys, [row])
+
+
+@pytest.mark.parametrize("order", ["interleaved", "reversed"])
+def test_load_into_one_tensor_from_two_cpu_tiers_in_any_order(order: str) -> None:
+    """A CPU tier fills a caller's batch tensor in one call only where its rows are a run; any other
+    mix of tiers must still land every block in its own row."""
+    layout = small_layout()
+    block = layout.nbytes
+    config = {"model": dict(SMALL_MODEL), "hash_block_size": 16,
+              "tiers": [{"type": "cpu", "name": "top", "capacity": 4 * block, "pinned": False},
+                        {"type": "cpu", "name": "lower", "capacity": 16 * block, "pinned": False}],
+              "placement": {"promote_on_hit": False}}
+    keys, blocks = make_keys(8), random_blocks(8, layout, seed=11)
+    with TieredCache.from_config(config) as cache:
+        for i in range(8):  # the top tier keeps the last four, the first four are demoted
+            assert cache.store(keys[i:i + 1], blocks[i:i + 1]) == 1
+        top, lower = cache.stats().tiers
+        assert top.demotions_out == 4 and lower.stores == 4
+        picked = [0, 4, 1, 5, 2, 6, 3, 7] if order == "interleaved" else list(range(7, -1, -1))
+        out = torch.zeros((8, *layout.shape), dtype=layout.dtype)
+        assert cache.load([keys[i] for i in picked], out) == 8
+        for row, i in enumerate(picked):
+            assert same(out[row], blocks[i])

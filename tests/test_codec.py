@@ -6,7 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.blocks import BlockKey
-from kvtier.codec import HEADER_SIZE, decode_block_into, decode_header, encode_block
+from kvtier.codec import (
+    HEADER_SIZE,
+    PayloadChecksum,
+    decode_block_into,
+    decode_header,
+    encode_block,
+    verify_payload,
+)
 from kvtier.errors import CorruptBlock
 
 KEY = BlockKey(b"\xab" * 32, 2)
@@ -116,3 +123,36 @@ def test_namespace_fingerprint_follows_the_namespace_object() -> None:
     assert a.fingerprint == Namespace("m", "float16", 1, tp_rank=0, tp_size=2).fingerprint
     assert len({a.fingerprint, Namespace("m", "float16", 1, tp_rank=1, tp_size=2).fingerprint,
                 Namespace("n", "float16", 1, tp_rank=0, tp_size=2).fingerprint}) == 3
+
+
+@given(data=st.binary(min_size=2, max_size=4096).filter(lambda b: len(b) % 2 == 0),
+       cuts=st.lists(st.integers(0, 4096), max_size=5), flip=st.one_of(st.none(), st.integers(0, 4095)))
+@settings(max_examples=80)
+def test_payload_checksum_in_pieces_agrees_with_verify_payload(data: bytes, cuts: list[int],
+                                                               flip: int | None) -> None:
+    header_buf, payload = encode_block(KEY, LAYOUT, np.frombuffer(data, dtype=np.uint8))
+    received = bytearray(payload)
+    if flip is not None and flip < len(received):
+        received[flip] ^= 1
+    header = decode_header(header_buf)
+    bounds = sorted({0, len(received), *(c for c in cuts if c <= len(received))})
+    running = PayloadChecksum(header_buf, header)
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        running.update(memoryview(received)[start:end])
+    try:
+        verify_payload(header_buf, header, received)
+    except CorruptBlock:
+        with pytest.raises(CorruptBlock, match="checksum"):
+            running.verify()
+        assert received != payload
+    else:
+        running.verify()
+        assert received == payload
+
+
+def test_payload_checksum_refuses_a_short_payload() -> None:
+    header_buf, payload = encode_block(KEY, LAYOUT, np.arange(64, dtype=np.uint8))
+    running = PayloadChecksum(header_buf, decode_header(header_buf))
+    running.update(payload[:63])
+    with pytest.raises(CorruptBlock, match="63 bytes"):
+        running.verify()

@@ -154,8 +154,16 @@ class CpuTier(Tier):
         self.counters.write_seconds += time.perf_counter() - start
         return ok
 
-    async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy resident blocks into ``out``; a key without a slot is a miss."""
+    async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | torch.Tensor) -> list[bool]:
+        """Copy resident blocks into ``out``; a key without a slot is a miss.
+
+        ``out``: one 1-D uint8 tensor per key, or one ``[n, nbytes]`` uint8 tensor whose rows receive
+        the keys' blocks (keys of one group): checked once and filled with one call.
+        """
+        if isinstance(out, torch.Tensor):
+            if self._is_row_batch(keys, out):
+                return self._get_rows(keys, out)
+            out = list(out.unbind(0)) if out.dim() > 1 else [out]
         self.check_buffers(keys, out, "out")
         start = time.perf_counter()
         ok = [False] * len(keys)
@@ -169,6 +177,26 @@ class CpuTier(Tier):
                 ok[i] = True
             self.counters.blocks_read += len(hits)
             self.counters.bytes_read += len(hits) * slab.slot_bytes
+        self.counters.read_seconds += time.perf_counter() - start
+        return ok
+
+    def _get_rows(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> list[bool]:
+        """:meth:`get` into a checked ``[n, nbytes]`` batch of one group: one copy when every key hits."""
+        start = time.perf_counter()
+        slab = self._slabs[keys[0].group_id]
+        slot_of = self._slots.slot
+        slots = [slot_of(key) for key in keys]
+        if None in slots:  # some misses: copy the hits' rows (their rows of ``rows`` are views)
+            hits = [i for i, slot in enumerate(slots) if slot is not None]
+            _copy_rows([rows[i] for i in hits], slab.tensor, [cast("int", slots[i]) for i in hits],
+                       into_slab=False)
+            ok = [slot is not None for slot in slots]
+        else:
+            _copy_batch(rows.numpy(), slab.tensor.numpy(), cast("list[int]", slots), into_slab=False)
+            ok = [True] * len(keys)
+        read = sum(ok)
+        self.counters.blocks_read += read
+        self.counters.bytes_read += read * slab.slot_bytes
         self.counters.read_seconds += time.perf_counter() - start
         return ok
 
