@@ -426,14 +426,20 @@ class KVTierOffloadManager:
                     if entry is not None and id(entry[0]) not in settled:
                         settled.add(id(entry[0]))
                         self._core.settle(entry[0], entry[1], ok=success)
-        storing, done = self._storing, []
-        pop = storing.pop
-        for key in keys:
-            count = pop(key, 0)
-            if count == 1:
-                done.append(key)
-            elif count:
-                storing[key] = count - 1
+        storing = self._storing
+        counts = list(map(storing.pop, keys, repeat(0)))
+        if counts.count(1) == len(counts):  # the usual job: each key stored once, by this job
+            done = list(keys)
+        else:  # put the counts back, then one key at a time (a key twice in the job counts twice)
+            storing.update((key, count) for key, count in zip(keys, counts, strict=True) if count)
+            done = []
+            pop = storing.pop
+            for key in keys:
+                count = pop(key, 0)
+                if count == 1:
+                    done.append(key)
+                elif count:
+                    storing[key] = count - 1
         if self._events is not None and success and done:
             self._events.append((done, False))
 

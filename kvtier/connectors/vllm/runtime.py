@@ -202,9 +202,9 @@ class IndexMirror:
 
     def take_removed(self) -> list[bytes]:
         """The removals not reported yet (each is returned once)."""
-        removed, out = self.removed, []
-        while removed:
-            out.append(removed.popleft())
+        with self._lock:  # the writers hold it: nothing lands between the copy and the clear
+            out = list(self.removed)
+            self.removed.clear()
         return out
 
 
