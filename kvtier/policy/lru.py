@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable
+from itertools import islice
 
 from kvtier.blocks import BlockKey
 from kvtier.policy.base import EvictionPolicy, InsertHint, take_unpinned
@@ -36,6 +37,14 @@ class LRUPolicy(EvictionPolicy):
         store plan)."""
         self._order.update(dict.fromkeys(keys))
 
+    def access_all(self, keys: Iterable[BlockKey]) -> None:
+        """:meth:`access` of each key, in order, in one call (a finished request's blocks)."""
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
+
     def remove_all(self, keys: Iterable[BlockKey]) -> None:
         """:meth:`remove` of each key, in one call."""
         pop = self._order.pop
@@ -48,9 +57,13 @@ class LRUPolicy(EvictionPolicy):
                 if key not in pinned:
                     return [key]
             return []
-        out: list[BlockKey] = []
-        if count > 0:
-            take_unpinned(self._order, pinned, count, out)
+        if count <= 0:
+            return []
+        out = list(islice(self._order, count))  # the oldest ones, when none is pinned (the usual case)
+        if len(out) == count and not any(map(pinned.__contains__, out)):
+            return out
+        out.clear()
+        take_unpinned(self._order, pinned, count, out)
         return out
 
     def __len__(self) -> int:
