@@ -159,6 +159,42 @@ def test_a_long_batch_shared_by_the_threads_keeps_every_result_in_place(tmp_path
     run(tier.close())
 
 
+@pytest.mark.parametrize("cold", [False, True])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(position=st.integers(0, PAGE + LAYOUTS[0].nbytes - 1), flip=st.integers(1, 255))
+def test_a_block_read_and_hashed_in_pieces_is_exact_or_a_miss(monkeypatch: pytest.MonkeyPatch, cold: bool,
+                                                              position: int, flip: int) -> None:
+    """With 16 KiB pieces a 64 KiB block is read and hashed in four (from the page cache, or from the
+    disk after the cache dropped it): one damaged byte anywhere in the header or the payload is a
+    miss, counted ``corrupt``; the header page's zero padding is not part of the block."""
+    monkeypatch.setattr(file_module, "READ_CHUNK", 16 * 1024)
+    with tempfile.TemporaryDirectory() as root:
+        tier = make_tier(Path(root))
+        keys = [key(i) for i in range(3)]
+        blocks = [random_block(0, i) for i in range(3)]
+        assert run(tier.put(keys, blocks)) == [True] * 3
+        path = tier.path_of(keys[1])
+        with open(path, "r+b") as f:
+            f.seek(position)
+            byte = f.read(1)[0]
+            f.seek(position)
+            f.write(bytes([byte ^ flip]))
+        if cold:
+            for k in keys:
+                fd = os.open(tier.path_of(k), os.O_RDONLY)
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        out = [torch.zeros_like(b) for b in blocks]
+        hits = run(tier.get(keys, out))
+        damaged = position < file_module.HEADER_SIZE or position >= PAGE
+        assert hits == [True, not damaged, True]
+        assert all(torch.equal(o, b) for o, b, hit in zip(out, blocks, hits, strict=True) if hit)
+        assert tier.counters.errors == ({"corrupt": 1} if damaged else {})
+        assert path.exists() != damaged
+        run(tier.close())
+
+
 async def cancel_get_once_reading(tier: FileTier, keys: list, out: list[torch.Tensor],
                                   started: threading.Event, release: threading.Event) -> None:
     """Cancel ``tier.get(keys, out)`` once a read has started, then let the blocked read finish."""
