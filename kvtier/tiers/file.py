@@ -275,6 +275,8 @@ class FileTier(Tier):
         self._disk_checked_at = float("-inf")
         self._made_dirs: set[str] = set()
         self._io_threads = io_threads
+        #: executor tasks of the batches in flight (counted on the event loop's thread only)
+        self._tasks_in_flight = 0
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-file-{name}")
         try:
             self._make_dir(self.root, parents=True)
@@ -481,14 +483,20 @@ class FileTier(Tier):
                 outcomes[index] = later(*job) or _NOT_RUN
 
         loop = asyncio.get_running_loop()
-        futures = [loop.run_in_executor(self._executor, drain)
-                   for _ in range(min(self._io_threads, len(jobs)))]
+        # As many tasks as the batches already in flight leave threads idle, at least one: a batch
+        # that arrives while every thread is taken queues behind them as one task, not io_threads
+        # (each executor task costs a wake-up of a thread and of the loop).
+        tasks = max(1, min(len(jobs), self._io_threads - self._tasks_in_flight))
+        self._tasks_in_flight += tasks
+        futures = [loop.run_in_executor(self._executor, drain) for _ in range(tasks)]
         try:
             await asyncio.shield(asyncio.gather(*futures))
         except BaseException:  # cancelled (or a bug in ``work``): stop, and let no thread outlive the call
             stop.set()
             await asyncio.wait(futures)
             raise
+        finally:
+            self._tasks_in_flight -= tasks
         return outcomes
 
     # --- paths and directories ---------------------------------------------------------------------

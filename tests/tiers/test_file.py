@@ -138,6 +138,34 @@ def test_io_runs_in_parallel_on_the_pool(tmp_path: Path, monkeypatch: pytest.Mon
     run(tier.close())
 
 
+def test_batches_in_flight_together_share_the_threads_without_a_task_each_per_thread(tmp_path: Path) -> None:
+    """Eight gets at once on four threads: the first takes the four threads, the ones that arrive while
+    all are taken queue as one task each; every block still comes back exact."""
+    tier = make_tier(tmp_path, io_threads=4)
+    keys = [key(i) for i in range(32)]
+    blocks = [random_block(0, i) for i in range(32)]
+    assert run(tier.put(keys, blocks)) == [True] * 32
+    submitted = []
+    real_submit = tier._executor.submit
+
+    def submit(fn, *args, **kwargs):
+        submitted.append(fn)
+        return real_submit(fn, *args, **kwargs)
+
+    tier._executor.submit = submit  # type: ignore[method-assign]
+    out = [torch.zeros_like(b) for b in blocks]
+
+    async def together() -> list[list[bool]]:
+        return await asyncio.gather(*[tier.get(keys[i:i + 4], out[i:i + 4]) for i in range(0, 32, 4)])
+
+    assert run(together()) == [[True] * 4] * 8
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+    assert len(submitted) == 4 + 7
+    assert run(tier.get(keys[:4], out[:4])) == [True] * 4  # alone again: the four threads
+    assert len(submitted) == 4 + 7 + 4
+    run(tier.close())
+
+
 def test_a_long_batch_shared_by_the_threads_keeps_every_result_in_place(tmp_path: Path) -> None:
     """More blocks than threads, mixed with a damaged file, a deleted one and a key never stored: each
     result lands at its own index and every hit is exact, whichever thread read it."""
