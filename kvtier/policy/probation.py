@@ -19,7 +19,7 @@ import heapq
 from collections.abc import Container
 
 from kvtier.blocks import BlockKey
-from kvtier.policy.base import InsertHint, take_unpinned
+from kvtier.policy.base import InsertHint
 from kvtier.policy.chains import LeafLRUPolicy
 
 #: Most of the partition that blocks off probation (hit, or stored after a hit) may hold while the
@@ -132,21 +132,19 @@ class LeafProbationPolicy(LeafLRUPolicy):
             self.probation.became_leaf(pred)
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
-        if count == 1 and not self._detached and self.probation.applies(len(self._time)):
-            key = self.probation.victim(pinned, self._inner)
-            if key is not None:
-                return [key]
-        if count > 1 and self.probation.applies(len(self._time)):
-            out: list[BlockKey] = []
-            if self._detached and take_unpinned(self._by_time(self._detached), pinned, count, out):
-                return out
+        out: list[BlockKey] = []
+        if count <= 0:
+            return out
+        if not self._detached and self.probation.applies(len(self._time)):
+            skip: Container[BlockKey] = pinned
             while len(out) < count:
-                key = self.probation.victim(_Union(pinned, out), self._inner)
+                key = self.probation.victim(skip, self._inner)
                 if key is None:
                     break
                 out.append(key)
+                skip = _Union(pinned, out)
             if len(out) < count:
-                out.extend(super().victims(count - len(out), _Union(pinned, out)))
+                out.extend(super().victims(count - len(out), skip))
             return out
         return super().victims(count, pinned)
 
