@@ -17,6 +17,7 @@ from kvtier.blocks import BlockKey
 from kvtier.policy.base import InsertHint, take_unpinned
 from kvtier.policy.chains import ChainForest
 from kvtier.policy.lifetime import _NEVER_KEEP, _SAMPLE_SHIFT, _SUB, LearnedLifetimePolicy, _bin
+from kvtier.policy.probation import ProbationLane
 
 
 def _last_reference(front: tuple[int, BlockKey, int]) -> int:
@@ -40,6 +41,8 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         # leaves that re-entered a class queue out of time order, with a heap of them (stale skipped)
         self._late: list[dict[BlockKey, int]] = [{} for _ in range(classes)]
         self._late_heap: list[list[tuple[int, BlockKey]]] = [[] for _ in range(classes)]
+        # chains stored by a request that missed its head leave first, newest first (loop resistance)
+        self.probation = ProbationLane()
 
     @property
     def leader(self) -> str:
@@ -112,6 +115,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             self._inner[key] = queue.pop(key)
         elif key in self.chains.detached:
             self._detached[key] = queue.pop(key)
+        self.probation.stored(key, hint.predecessor, t, not inner)
 
     def access(self, key: BlockKey) -> None:
         # the lifetime policy's access, inlined, for a key in whichever lane holds it: a queued leaf
@@ -121,6 +125,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         if meta is None:
             return
         t = self._clock = self._clock + 1
+        self.probation.touched(key)
         old, h = meta
         cls = meta[0] = old + 1 if old < self._top else old
         inner = self._inner
@@ -165,15 +170,35 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         for k in detached:
             if k not in self._inner:
                 self._detached[k] = self._from_leaf(k)
+        self.probation.left(key)
         if parent is not None:
             t = self._inner.pop(parent, None)
             if t is not None:
                 self._to_leaf(parent, t)
+                self.probation.became_leaf(parent)
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
         out: list[BlockKey] = []
         if count <= 0:
             return out
+        if not self._detached and self.probation.applies(len(self._meta)):
+            skip: Container[BlockKey] = pinned
+            while len(out) < count:
+                key = self.probation.victim(skip, self._inner)
+                if key is None:
+                    break
+                out.append(key)
+                skip = _Union(pinned, out)
+            if len(out) == count:
+                return out
+            if out:
+                out.extend(self._victims(count - len(out), skip))
+                return out
+        return self._victims(count, pinned)
+
+    def _victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
+        """:meth:`victims` by the leader expert's order (detached leaves first)."""
+        out: list[BlockKey] = []
         if count == 1 and not self._detached:  # the common case, inlined
             now, weights, learned = self._clock + 1, self.weights, self._learned
             best: BlockKey | None = None
