@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 
 from kvtier.blocks import BlockKey
 from kvtier.policy.base import EvictionPolicy, InsertHint, take_unpinned
@@ -31,16 +31,26 @@ class LRUPolicy(EvictionPolicy):
     def remove(self, key: BlockKey) -> None:
         self._order.pop(key, None)
 
-    def insert_new(self, keys: Iterable[BlockKey]) -> None:
-        """:meth:`insert` of keys not tracked yet, in order, in one call (a scheduler's batched
-        store plan)."""
-        self._order.update(dict.fromkeys(keys))
-
-    def remove_all(self, keys: Iterable[BlockKey]) -> None:
-        """:meth:`remove` of each key, in one call."""
-        pop = self._order.pop
+    def access_all(self, keys: Iterable[BlockKey]) -> None:
+        order = self._order
+        move = order.move_to_end
         for key in keys:
-            pop(key, None)
+            if key in order:
+                move(key)
+
+    def store_new(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint], pinned: Container[BlockKey],
+                  free: int) -> tuple[int, list[BlockKey]]:
+        """The base class's key-by-key store with all victims taken at once: the keys inserted are
+        pinned and the newest, so no victim walk would return them and the victims are simply the
+        oldest unpinned keys."""
+        count = len(keys) - free
+        victims = self.victims(count, pinned) if count > 0 else []
+        stored = min(len(keys), free + len(victims))
+        pop = self._order.pop
+        for key in victims:
+            pop(key)
+        self._order.update(dict.fromkeys(keys[:stored] if stored < len(keys) else keys))
+        return stored, victims
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
         if count == 1:  # the common case: the oldest unpinned key
