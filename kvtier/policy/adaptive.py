@@ -10,7 +10,7 @@ and shows the results.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container
+from collections.abc import Container, Iterable, Sequence
 from zlib import crc32
 
 from kvtier.blocks import BlockKey
@@ -169,6 +169,176 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             t = self._inner.pop(parent, None)
             if t is not None:
                 self._to_leaf(parent, t)
+
+    # --- batches: the per-key methods above, inlined into one loop (same calls, same order) ---------
+    def access_all(self, keys: Iterable[BlockKey]) -> None:
+        """:meth:`access` of each key in order (a request's prefix hits)."""
+        meta_of = self._meta.get
+        inner, queues, late, detached = self._inner, self._queues, self._late, self._detached
+        top, hist, refs, reach = self._top, self._hist, self._refs, self._reach
+        t = self._clock
+        for key in keys:
+            meta = meta_of(key)
+            if meta is None:
+                continue
+            t += 1
+            old, h = meta
+            cls = meta[0] = old + 1 if old < top else old
+            then = inner.get(key)
+            if then is not None:
+                inner[key] = t
+            else:
+                then = queues[old].pop(key, None)
+                if then is not None:
+                    queues[cls][key] = t
+                else:
+                    then = late[old].pop(key, None)
+                    if then is not None:
+                        queues[cls][key] = t
+                    else:
+                        then = detached[key]
+                        detached[key] = t
+            if not h >> _SAMPLE_SHIFT:
+                d = t - then
+                if d <= reach:
+                    e = d.bit_length() - 1
+                    hist[old][e * _SUB + ((d >> (e - 2)) & 3) if e >= 2 else _bin(d)] += 1.0
+                refs[cls] += 1.0
+            if t >= self._next_refit:
+                self._clock = t
+                self._refit()  # may resize and replaces the statistics: fetch them again
+                hist, refs, reach = self._hist, self._refs, self._reach
+        self._clock = t
+
+    def store_new(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint], pinned: Container[BlockKey],
+                  free: int) -> tuple[int, list[BlockKey]]:
+        """:meth:`EvictionPolicy.store_new`: per key, :meth:`victims` (one), :meth:`remove` and
+        :meth:`insert` with their usual cases inlined; anything unusual calls the method itself."""
+        out: list[BlockKey] = []
+        meta_of = self._meta
+        queues, late, late_heaps = self._queues, self._late, self._late_heap
+        inner, lane_detached = self._inner, self._detached
+        chains = self.chains
+        pred_of, children, chain_detached = chains.pred, chains.children, chains.detached
+        to_leaf = self._to_leaf
+        for i, key in enumerate(keys):
+            if i >= free:
+                # --- victims(1, pinned), its common case inlined
+                victim = None
+                if not lane_detached:
+                    now, weights, learned = self._clock + 1, self.weights, self._learned
+                    best_score = -1.0
+                    for c, queue in enumerate(queues):
+                        cand = None
+                        for cand, t in queue.items():  # noqa: B007 - t is the front's time
+                            if cand not in pinned:
+                                break
+                        else:
+                            cand = None
+                        lc = late[c]
+                        if lc:
+                            heap = late_heaps[c]
+                            while heap and lc.get(heap[0][1]) != heap[0][0]:
+                                heapq.heappop(heap)
+                            if heap and (cand is None or heap[0][0] < t):
+                                if heap[0][1] in pinned:
+                                    victim = None
+                                    break  # rare: the careful walk
+                                t, cand = heap[0]
+                        if cand is None:
+                            continue
+                        if learned:
+                            if weights[c] == _NEVER_KEEP:
+                                victim = cand
+                                break
+                            score = (now - t) * weights[c]
+                        else:
+                            score = now - t
+                        if score > best_score:
+                            victim, best_score = cand, score
+                if victim is None:  # detached leaves, a pinned late leaf, or no unpinned leaf at all
+                    chosen = self.victims(1, pinned)
+                    if not chosen:
+                        return i, out
+                    victim = chosen[0]
+                out.append(victim)
+                # --- remove(victim), inlined
+                cls, h = meta_of.pop(victim)
+                then = queues[cls].pop(victim, None)
+                if then is None:
+                    then = inner.pop(victim, None)
+                    if then is None:
+                        then = late[cls].pop(victim, None)
+                        if then is None:
+                            then = lane_detached.pop(victim)
+                self._table[h & self._slot_mask] = (then << 20) | ((h >> 16) << 4) | cls
+                parent = None
+                pred = pred_of.pop(victim, None)  # ChainForest.unlink, inlined
+                if pred is not None:
+                    kids = children[pred]
+                    kids.remove(victim)
+                    if not kids:
+                        del children[pred]
+                        if pred in meta_of:
+                            parent = pred
+                if victim in chain_detached or victim in children:
+                    for k in chains.release(victim):
+                        if k not in inner:
+                            lane_detached[k] = self._from_leaf(k)
+                if parent is not None:
+                    then = inner.pop(parent, None)
+                    if then is not None:
+                        to_leaf(parent, then)
+            # --- insert(key, hints[i]), inlined (keys are new)
+            hint_pred = hints[i].predecessor
+            h = crc32(*key)
+            t = self._clock = self._clock + 1
+            entry = self._table[h & self._slot_mask]
+            if entry and (entry >> 4) & 0xFFFF == h >> 16 and t - (entry >> 20) <= self._reach:
+                old = entry & 15
+                cls = old + 1 if old < self._top and t - (entry >> 20) <= self._repeat_within else old
+                if not h >> _SAMPLE_SHIFT:
+                    self._hist[old][_bin(t - (entry >> 20))] += 1.0
+                    self._refs[cls] += 1.0
+            else:
+                cls = 0
+                if not h >> _SAMPLE_SHIFT:
+                    self._refs[0] += 1.0
+            meta_of[key] = [cls, h]
+            queue = queues[cls]
+            queue[key] = t
+            if t >= self._next_refit:
+                self._refit()
+            parent = None
+            if hint_pred is not None and hint_pred != key:  # ChainForest.link, inlined
+                pred_of[key] = hint_pred
+                siblings = children.get(hint_pred)
+                if siblings is None:
+                    children[hint_pred] = [key]
+                    if hint_pred in meta_of:
+                        parent = hint_pred
+                else:
+                    siblings.append(key)
+                if hint_pred in chain_detached:
+                    chain_detached.add(key)
+            if parent is not None and parent not in inner:
+                then = queues[meta_of[parent][0]].pop(parent, None)
+                inner[parent] = then if then is not None else self._from_leaf(parent)
+            if key in children:
+                is_inner, attached, newly_detached = chains.adopt(key, hint_pred, meta_of)
+                for k in attached:
+                    then = lane_detached.pop(k, None)
+                    if then is not None:
+                        to_leaf(k, then)
+                for k in newly_detached:
+                    if k not in inner:
+                        lane_detached[k] = self._from_leaf(k)
+                if is_inner:
+                    inner[key] = queue.pop(key)
+                    continue
+            if key in chain_detached:
+                lane_detached[key] = queue.pop(key)
+        return len(keys), out
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
         out: list[BlockKey] = []
