@@ -35,7 +35,9 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
     def __init__(self, capacity: int | None = None, *, classes: int = 3, min_gain: float = 0.02) -> None:
         super().__init__(capacity, classes=classes, min_gain=min_gain)
         self.chains = ChainForest()
-        self._inner: dict[BlockKey, int] = {}  # resident blocks with resident successors -> last reference
+        # resident blocks with resident successors; their last reference lives in their record
+        # (``_meta[key][2]``, -1 for every other block), so a hit on one (most hits) changes no dict
+        self._inner: dict[BlockKey, None] = {}
         self._detached: dict[BlockKey, int] = {}  # detached leaves -> last reference
         # leaves that re-entered a class queue out of time order, with a heap of them (stale skipped)
         self._late: list[dict[BlockKey, int]] = [{} for _ in range(classes)]
@@ -93,14 +95,15 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             cls = 0
             if not h >> _SAMPLE_SHIFT:
                 self._refs[0] += 1.0
-        meta[key] = [cls, h]
+        record = meta[key] = [cls, h, -1]
         queue = self._queues[cls]
         queue[key] = t
         if t >= self._next_refit:
             self._refit()
         parent, inner, attached, detached = self.chains.link(key, hint.predecessor, meta)
         if parent is not None and parent not in self._inner:
-            self._inner[parent] = self._from_leaf(parent)
+            self._inner[parent] = None
+            meta[parent][2] = self._from_leaf(parent)
         for k in attached:
             then = self._detached.pop(k, None)
             if then is not None:
@@ -109,7 +112,8 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if k not in self._inner:
                 self._detached[k] = self._from_leaf(k)
         if inner:
-            self._inner[key] = queue.pop(key)
+            self._inner[key] = None
+            record[2] = queue.pop(key)
         elif key in self.chains.detached:
             self._detached[key] = queue.pop(key)
 
@@ -121,12 +125,10 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         if meta is None:
             return
         t = self._clock = self._clock + 1
-        old, h = meta
+        old, h, then = meta
         cls = meta[0] = old + 1 if old < self._top else old
-        inner = self._inner
-        then = inner.get(key)  # first: most hits are inner blocks of a cached prefix
-        if then is not None:
-            inner[key] = t
+        if then >= 0:  # first: most hits are inner blocks of a cached prefix
+            meta[2] = t
         else:
             then = self._queues[old].pop(key, None)
             if then is not None:
@@ -152,10 +154,11 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         meta = self._meta.pop(key, None)
         if meta is None:
             return
-        cls, h = meta
-        then = self._queues[cls].pop(key, None)
-        if then is None:
-            then = self._inner.pop(key, None)
+        cls, h, then = meta
+        if then >= 0:
+            del self._inner[key]
+        else:
+            then = self._queues[cls].pop(key, None)
             if then is None:
                 then = self._late[cls].pop(key, None)
                 if then is None:
@@ -165,16 +168,17 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         for k in detached:
             if k not in self._inner:
                 self._detached[k] = self._from_leaf(k)
-        if parent is not None:
-            t = self._inner.pop(parent, None)
-            if t is not None:
-                self._to_leaf(parent, t)
+        if parent is not None and parent in self._inner:
+            del self._inner[parent]
+            record = self._meta[parent]
+            t, record[2] = record[2], -1
+            self._to_leaf(parent, t)
 
     # --- batches: the per-key methods above, inlined into one loop (same calls, same order) ---------
     def access_all(self, keys: Iterable[BlockKey]) -> None:
         """:meth:`access` of each key in order (a request's prefix hits)."""
         meta_of = self._meta.get
-        inner, queues, late, detached = self._inner, self._queues, self._late, self._detached
+        queues, late, detached = self._queues, self._late, self._detached
         top, hist, refs, reach = self._top, self._hist, self._refs, self._reach
         t = self._clock
         for key in keys:
@@ -182,11 +186,10 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if meta is None:
                 continue
             t += 1
-            old, h = meta
+            old, h, then = meta
             cls = meta[0] = old + 1 if old < top else old
-            then = inner.get(key)
-            if then is not None:
-                inner[key] = t
+            if then >= 0:
+                meta[2] = t
             else:
                 then = queues[old].pop(key, None)
                 if then is not None:
@@ -263,10 +266,11 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                     victim = chosen[0]
                 out.append(victim)
                 # --- remove(victim), inlined
-                cls, h = meta_of.pop(victim)
-                then = queues[cls].pop(victim, None)
-                if then is None:
-                    then = inner.pop(victim, None)
+                cls, h, then = meta_of.pop(victim)
+                if then >= 0:
+                    del inner[victim]
+                else:
+                    then = queues[cls].pop(victim, None)
                     if then is None:
                         then = late[cls].pop(victim, None)
                         if then is None:
@@ -285,10 +289,11 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                     for k in chains.release(victim):
                         if k not in inner:
                             lane_detached[k] = self._from_leaf(k)
-                if parent is not None:
-                    then = inner.pop(parent, None)
-                    if then is not None:
-                        to_leaf(parent, then)
+                if parent is not None and parent in inner:
+                    del inner[parent]
+                    record = meta_of[parent]
+                    then, record[2] = record[2], -1
+                    to_leaf(parent, then)
             # --- insert(key, hints[i]), inlined (keys are new)
             hint_pred = hints[i].predecessor
             h = crc32(*key)
@@ -304,7 +309,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 cls = 0
                 if not h >> _SAMPLE_SHIFT:
                     self._refs[0] += 1.0
-            meta_of[key] = [cls, h]
+            record = meta_of[key] = [cls, h, -1]
             queue = queues[cls]
             queue[key] = t
             if t >= self._next_refit:
@@ -322,8 +327,10 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 if hint_pred in chain_detached:
                     chain_detached.add(key)
             if parent is not None and parent not in inner:
-                then = queues[meta_of[parent][0]].pop(parent, None)
-                inner[parent] = then if then is not None else self._from_leaf(parent)
+                inner[parent] = None
+                parent_record = meta_of[parent]
+                then = queues[parent_record[0]].pop(parent, None)
+                parent_record[2] = then if then is not None else self._from_leaf(parent)
             if key in children:
                 is_inner, attached, newly_detached = chains.adopt(key, hint_pred, meta_of)
                 for k in attached:
@@ -334,7 +341,8 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                     if k not in inner:
                         lane_detached[k] = self._from_leaf(k)
                 if is_inner:
-                    inner[key] = queue.pop(key)
+                    inner[key] = None
+                    record[2] = queue.pop(key)
                     continue
             if key in chain_detached:
                 lane_detached[key] = queue.pop(key)
@@ -390,7 +398,8 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if len(out) < count:
                 skip = _Union(pinned, out)
         if len(out) < count and self._inner:  # every leaf is pinned: inner blocks, least recently used first
-            take_unpinned(sorted(self._inner, key=self._inner.__getitem__), pinned, count, out)
+            meta = self._meta
+            take_unpinned(sorted(self._inner, key=lambda k: meta[k][2]), pinned, count, out)
         return out
 
     def _overstay(self, front: tuple[int, BlockKey, int]) -> float:
