@@ -130,12 +130,12 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         if then >= 0:  # first: most hits are inner blocks of a cached prefix
             meta[2] = t
         else:
-            then = self._queues[old].pop(key, None)
-            if then is not None:
+            then = self._queues[old].pop(key, -1)
+            if then >= 0:
                 self._queues[cls][key] = t
             else:
-                then = self._late[old].pop(key, None)
-                if then is not None:
+                then = self._late[old].pop(key, -1)
+                if then >= 0:
                     self._queues[cls][key] = t
                 else:
                     detached = self._detached
@@ -158,10 +158,10 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         if then >= 0:
             del self._inner[key]
         else:
-            then = self._queues[cls].pop(key, None)
-            if then is None:
-                then = self._late[cls].pop(key, None)
-                if then is None:
+            then = self._queues[cls].pop(key, -1)
+            if then < 0:
+                then = self._late[cls].pop(key, -1)
+                if then < 0:
                     then = self._detached.pop(key)
         self._table[h & self._slot_mask] = (then << 20) | ((h >> 16) << 4) | cls  # the ghost entry
         parent, detached = self.chains.unlink(key, self._meta)
@@ -179,7 +179,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         """:meth:`access` of each key in order (a request's prefix hits)."""
         meta_of = self._meta.get
         queues, late, detached = self._queues, self._late, self._detached
-        top, hist, refs, reach = self._top, self._hist, self._refs, self._reach
+        top, hist, refs, reach, next_refit = self._top, self._hist, self._refs, self._reach, self._next_refit
         t = self._clock
         for key in keys:
             meta = meta_of(key)
@@ -191,12 +191,12 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if then >= 0:
                 meta[2] = t
             else:
-                then = queues[old].pop(key, None)
-                if then is not None:
+                then = queues[old].pop(key, -1)
+                if then >= 0:
                     queues[cls][key] = t
                 else:
-                    then = late[old].pop(key, None)
-                    if then is not None:
+                    then = late[old].pop(key, -1)
+                    if then >= 0:
                         queues[cls][key] = t
                     else:
                         then = detached[key]
@@ -207,10 +207,10 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                     e = d.bit_length() - 1
                     hist[old][e * _SUB + ((d >> (e - 2)) & 3) if e >= 2 else _bin(d)] += 1.0
                 refs[cls] += 1.0
-            if t >= self._next_refit:
+            if t >= next_refit:
                 self._clock = t
                 self._refit()  # may resize and replaces the statistics: fetch them again
-                hist, refs, reach = self._hist, self._refs, self._reach
+                hist, refs, reach, next_refit = self._hist, self._refs, self._reach, self._next_refit
         self._clock = t
 
     def store_new(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint], pinned: Container[BlockKey],
@@ -224,12 +224,17 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         chains = self.chains
         pred_of, children, chain_detached = chains.pred, chains.children, chains.detached
         to_leaf = self._to_leaf
+        top = self._top
+        # the learned state, fetched again after each refit (which may also resize the ghost table)
+        table, slot_mask, reach = self._table, self._slot_mask, self._reach
+        repeat_within, hist, refs, next_refit = self._repeat_within, self._hist, self._refs, self._next_refit
+        weights, learned = self.weights, self._learned
         for i, key in enumerate(keys):
             if i >= free:
                 # --- victims(1, pinned), its common case inlined
                 victim = None
                 if not lane_detached:
-                    now, weights, learned = self._clock + 1, self.weights, self._learned
+                    now = self._clock + 1
                     best_score = -1.0
                     for c, queue in enumerate(queues):
                         cand = None
@@ -270,12 +275,12 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 if then >= 0:
                     del inner[victim]
                 else:
-                    then = queues[cls].pop(victim, None)
-                    if then is None:
-                        then = late[cls].pop(victim, None)
-                        if then is None:
+                    then = queues[cls].pop(victim, -1)
+                    if then < 0:
+                        then = late[cls].pop(victim, -1)
+                        if then < 0:
                             then = lane_detached.pop(victim)
-                self._table[h & self._slot_mask] = (then << 20) | ((h >> 16) << 4) | cls
+                table[h & slot_mask] = (then << 20) | ((h >> 16) << 4) | cls
                 parent = None
                 pred = pred_of.pop(victim, None)  # ChainForest.unlink, inlined
                 if pred is not None:
@@ -289,31 +294,45 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                     for k in chains.release(victim):
                         if k not in inner:
                             lane_detached[k] = self._from_leaf(k)
-                if parent is not None and parent in inner:
+                if parent is not None and parent in inner:  # the parent is a leaf now: _to_leaf, inlined
                     del inner[parent]
                     record = meta_of[parent]
                     then, record[2] = record[2], -1
-                    to_leaf(parent, then)
+                    if parent in chain_detached:
+                        lane_detached[parent] = then
+                    else:
+                        queue = queues[record[0]]
+                        if not queue or then >= queue[next(reversed(queue))]:
+                            queue[parent] = then
+                        elif then <= queue[next(iter(queue))]:  # the usual case: older than its successors
+                            queue[parent] = then
+                            queue.move_to_end(parent, last=False)
+                        else:
+                            late[record[0]][parent] = then
+                            heapq.heappush(late_heaps[record[0]], (then, parent))
             # --- insert(key, hints[i]), inlined (keys are new)
             hint_pred = hints[i].predecessor
             h = crc32(*key)
             t = self._clock = self._clock + 1
-            entry = self._table[h & self._slot_mask]
-            if entry and (entry >> 4) & 0xFFFF == h >> 16 and t - (entry >> 20) <= self._reach:
+            entry = table[h & slot_mask]
+            if entry and (entry >> 4) & 0xFFFF == h >> 16 and t - (entry >> 20) <= reach:
                 old = entry & 15
-                cls = old + 1 if old < self._top and t - (entry >> 20) <= self._repeat_within else old
+                cls = old + 1 if old < top and t - (entry >> 20) <= repeat_within else old
                 if not h >> _SAMPLE_SHIFT:
-                    self._hist[old][_bin(t - (entry >> 20))] += 1.0
-                    self._refs[cls] += 1.0
+                    hist[old][_bin(t - (entry >> 20))] += 1.0
+                    refs[cls] += 1.0
             else:
                 cls = 0
                 if not h >> _SAMPLE_SHIFT:
-                    self._refs[0] += 1.0
+                    refs[0] += 1.0
             record = meta_of[key] = [cls, h, -1]
             queue = queues[cls]
             queue[key] = t
-            if t >= self._next_refit:
+            if t >= next_refit:
                 self._refit()
+                table, slot_mask, reach = self._table, self._slot_mask, self._reach
+                repeat_within, hist, refs = self._repeat_within, self._hist, self._refs
+                next_refit, weights, learned = self._next_refit, self.weights, self._learned
             parent = None
             if hint_pred is not None and hint_pred != key:  # ChainForest.link, inlined
                 pred_of[key] = hint_pred
@@ -329,13 +348,13 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if parent is not None and parent not in inner:
                 inner[parent] = None
                 parent_record = meta_of[parent]
-                then = queues[parent_record[0]].pop(parent, None)
-                parent_record[2] = then if then is not None else self._from_leaf(parent)
+                then = queues[parent_record[0]].pop(parent, -1)
+                parent_record[2] = then if then >= 0 else self._from_leaf(parent)
             if key in children:
                 is_inner, attached, newly_detached = chains.adopt(key, hint_pred, meta_of)
                 for k in attached:
-                    then = lane_detached.pop(k, None)
-                    if then is not None:
+                    then = lane_detached.pop(k, -1)
+                    if then >= 0:
                         to_leaf(k, then)
                 for k in newly_detached:
                     if k not in inner:
