@@ -404,9 +404,13 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             else:
                 if best is not None:
                     return [best]
-        if self._detached and take_unpinned(sorted(self._detached, key=self._detached.__getitem__),
-                                            pinned, count, out):
-            return out
+        if self._detached:
+            if count == 1:  # the oldest unpinned one: what the sorted walk below takes, in one pass
+                oldest = _oldest_unpinned(self._detached.items(), pinned)
+                if oldest is not None:
+                    return [oldest]
+            elif take_unpinned(sorted(self._detached, key=self._detached.__getitem__), pinned, count, out):
+                return out
         skip: Container[BlockKey] = pinned
         while len(out) < count:
             fronts = self._fronts(skip)
@@ -418,7 +422,12 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 skip = _Union(pinned, out)
         if len(out) < count and self._inner:  # every leaf is pinned: inner blocks, least recently used first
             meta = self._meta
-            take_unpinned(sorted(self._inner, key=lambda k: meta[k][2]), pinned, count, out)
+            if count == 1:
+                oldest = _oldest_unpinned(((k, meta[k][2]) for k in self._inner), pinned)
+                if oldest is not None:
+                    out.append(oldest)
+            else:
+                take_unpinned(sorted(self._inner, key=lambda k: meta[k][2]), pinned, count, out)
         return out
 
     def _overstay(self, front: tuple[int, BlockKey, int]) -> float:
@@ -448,6 +457,16 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if best is not None:
                 fronts.append(best)
         return fronts
+
+
+def _oldest_unpinned(timed: Iterable[tuple[BlockKey, int]], pinned: Container[BlockKey]) -> BlockKey | None:
+    """The key of least time among ``(key, last reference)`` pairs not in ``pinned`` (times are distinct)."""
+    best: BlockKey | None = None
+    best_t = 0
+    for key, t in timed:
+        if (best is None or t < best_t) and key not in pinned:
+            best, best_t = key, t
+    return best
 
 
 class _Union:
