@@ -43,7 +43,7 @@ from kvtier.policy import InsertHint
 from kvtier.policy.admission import AdmitAll
 from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.base import Tier
-from kvtier.tiers.buffers import aligned_empty, as_rows
+from kvtier.tiers.buffers import RowBatch, aligned_empty, as_rows
 from kvtier.tiers.cpu import CpuTier
 
 if TYPE_CHECKING:
@@ -121,6 +121,8 @@ class AsyncTieredCache:
         #: every tier is kvtier's CPU tier, whose calls never wait: plans can run on the caller's thread
         #: (execute_now); a subclass or another kind of tier may wait, so its plans run on the loop
         self._inline = bool(self.tiers) and all(type(tier) is CpuTier for tier in self.tiers)
+        #: tiers that take a caller's batch as one ``[n, nbytes]`` tensor (see :meth:`_blocks_for`)
+        self._row_tiers = frozenset(t for t, tier in enumerate(self.tiers) if type(tier) is CpuTier)
         self._mutation: asyncio.Lock | None = None
         self._index_lock = threading.Lock()
         self._watchers: list[ResidencyWatcher] = []
@@ -340,10 +342,11 @@ class AsyncTieredCache:
         self._counts["loads"] += 1
         self._counts["load_blocks"] += len(keys)
         located = await self._locate(keys)
+        indexes = self.residency.tiers
         with self._index_lock:
             where = self._still_ready(keys, located)
             for t, key in zip(where, keys, strict=False):
-                self.residency.tiers[t].pin(key)
+                indexes[t].pin(key)
         n = len(where)
         ok = [False] * n
         try:
@@ -351,7 +354,8 @@ class AsyncTieredCache:
             for i, t in enumerate(where):
                 by_tier.setdefault(t, []).append(i)
             results = await _together([
-                self._safe_io(t, "get", [keys[i] for i in idx], [buffers[i] for i in idx])
+                self._safe_io(t, "get", [keys[i] for i in idx],
+                              self._blocks_for(t, buffers, idx, writable=True))
                 for t, idx in by_tier.items()])
             for (t, idx), res in zip(by_tier.items(), results, strict=True):
                 failed = []
@@ -364,17 +368,20 @@ class AsyncTieredCache:
         finally:
             with self._index_lock:
                 for t, key in zip(where, keys, strict=False):
-                    self.residency.tiers[t].unpin(key)
+                    indexes[t].unpin(key)
         loaded = ok.index(False) if False in ok else n
+        served = [0] * len(self.tiers)  # hits per tier
         with self._index_lock:
-            for i in range(loaded):
-                t = where[i]
-                self._activity[t].hits += 1
+            for t, key in zip(where[:loaded], keys, strict=False):
+                served[t] += 1
                 if not self.tiers[t].self_evicting:
-                    self.residency.touch(t, keys[i])
+                    self.residency.touch(t, key)
         # a tier misses every block the walk down the hierarchy asked it for and it did not serve
-        for t, activity in enumerate(self._activity):
-            activity.misses += sum(1 for i in range(loaded) if where[i] > t) + len(keys) - loaded
+        below = loaded
+        for activity, hits in zip(self._activity, served, strict=True):
+            activity.hits += hits
+            below -= hits
+            activity.misses += below + len(keys) - loaded
         self._counts["loaded_blocks"] += loaded
         await self._promote(keys[:loaded], where[:loaded], buffers[:loaded])
         return loaded
@@ -462,8 +469,9 @@ class AsyncTieredCache:
         group), checked once and copied into each tier with one call. Returns how many of ``keys``
         are now cached.
         """
-        if len(rows) != len(keys):
-            raise LayoutMismatch(f"{len(keys)} keys but {len(rows)} rows")
+        count = rows.shape[0] if isinstance(rows, torch.Tensor) and rows.dim() else len(rows)
+        if count != len(keys):
+            raise LayoutMismatch(f"{len(keys)} keys but {count} rows")
         batch = self._row_batch(keys, rows) if isinstance(rows, torch.Tensor) else None
         if batch is None:
             self._check_rows(keys, rows)
@@ -484,8 +492,9 @@ class AsyncTieredCache:
                 if not idx:
                     continue
                 written = [keys[i] for i in idx]
-                if batch is not None:  # every row is there: the tier copies the batch in one call
-                    oks = self._io_now(t, "put", written, _take_rows(batch, idx))
+                if batch is not None:  # every row is there, checked: the tier copies the batch in one call
+                    oks = self._io_now(t, "put", written, _take_rows(batch, idx),
+                                       call=cast("CpuTier", self.tiers[t]).put_rows)
                 else:
                     present = [i for i in idx if rows[i] is not None]
                     done = dict(zip(present, self._io_now(t, "put", [keys[i] for i in present],
@@ -556,16 +565,35 @@ class AsyncTieredCache:
                     self._activity[dst].failed_stores += 1
             self._changed(keys[i] for i in idx)
 
-    def _io_now(self, t: int, op: str, keys: list[BlockKey], *args: Any) -> list[bool]:
-        """:meth:`_safe_io` for a CPU tier, on the caller's thread: its coroutines finish without waiting."""
+    def _io_now(self, t: int, op: str, keys: list[BlockKey], *args: Any,
+                call: Callable[..., list[bool] | None] | None = None) -> list[bool]:
+        """:meth:`_safe_io` for a CPU tier, on the caller's thread: ``call`` or its synchronous ``<op>_now``
+        when it has one (no coroutine per call: a store's hot path), else its coroutine, which finishes
+        without waiting."""
+        if not keys:
+            return []
+        tier = self.tiers[t]
+        if call is None:
+            call = getattr(tier, f"{op}_now", None)
+        if call is None:
+            try:
+                result = _run_now(self._safe_io(t, op, keys, *args))
+            except RuntimeError as exc:  # the tier's call waited: it cannot run here
+                tier.counters.error(type(exc).__name__)
+                log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
+                return [False] * len(keys)
+            return [True] * len(keys) if result is None else result
+        start = time.perf_counter()
         try:
-            result = _run_now(self._safe_io(t, op, keys, *args))
-        except RuntimeError as exc:  # the tier's call waited: it cannot run here
-            tier = self.tiers[t]
+            done = call(keys, *args)
+        except LayoutMismatch:
+            raise
+        except Exception as exc:  # as _safe_io: logged, counted, all-False
             tier.counters.error(type(exc).__name__)
             log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
             return [False] * len(keys)
-        return [True] * len(keys) if result is None else result
+        self._activity[t].observe(op, time.perf_counter() - start)
+        return [True] * len(keys) if done is None else done
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark each key recently used in the top-most tier holding it READY (thread-safe, no I/O)."""
@@ -630,8 +658,8 @@ class AsyncTieredCache:
                                  f"index and this worker's tiers are out of step") from None
             for i, view in zip(idx, views, strict=True):
                 buffers[i].copy_(view)
-            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=False,
-                                    misses_above=False)
+            self._count_memory_read(t, idx, keys, sum(buffers[i].numel() for i in idx),
+                                    time.perf_counter() - start, touch=False, misses_above=False)
         self._count_load(len(keys))
 
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
@@ -690,46 +718,75 @@ class AsyncTieredCache:
         itself, through :meth:`touch`); does not promote (the caller chose the copy where it
         is). The pins stay: :meth:`release` them after. Raises ``ValueError`` for a key that is not
         pinned READY in its memory tier (a caller bug: such a copy could change under the read).
+        ``out`` may also be one contiguous ``[len(keys), nbytes]`` uint8 CPU tensor of one group's rows
+        (an engine's load buffer): checked once for the batch and filled with one copy per tier.
         """
-        buffers = self._byte_blocks(keys, out, "out")
+        # one [n, nbytes] uint8 tensor of one group's rows (an engine's load buffer): checked once, never
+        # split into a tensor per block
+        batch = self._row_batch(keys, out) if isinstance(out, torch.Tensor) and keys else None
+        buffers = None if batch is not None else self._byte_blocks(keys, out, "out")
         by_tier: dict[int, list[int]] = {}
+        indexes, tiers = self.residency.tiers, self.tiers
         with self._index_lock:
             self._check_open()
-            for i, (key, t) in enumerate(zip(keys, where, strict=True)):
-                index = self.residency.tiers[t]
-                if not self.tiers[t].addressable or key not in index.pins or not index.is_ready(key):
-                    raise ValueError(f"{key} is not leased in memory tier {self.tiers[t].name}")
-                by_tier.setdefault(t, []).append(i)
+            first = where[0] if len(where) == len(keys) and keys else None
+            if first is not None and where.count(first) == len(where) and tiers[first].addressable:
+                # one memory tier holds them all (the usual case): one pass over the keys, no per-key tier
+                pins, entries = indexes[first].pins, indexes[first].entries
+                for key in keys:
+                    if key not in pins or entries.get(key) != READY:
+                        raise ValueError(f"{key} is not leased in memory tier {tiers[first].name}")
+                by_tier[first] = list(range(len(keys)))
+            for i, (key, t) in enumerate(zip(keys, where, strict=True) if not by_tier else ()):
+                index = indexes[t]
+                if not tiers[t].addressable or key not in index.pins or index.entries.get(key) != READY:
+                    raise ValueError(f"{key} is not leased in memory tier {tiers[t].name}")
+                idx = by_tier.get(t)
+                if idx is None:
+                    by_tier[t] = [i]
+                else:
+                    idx.append(i)
             self._leased_reads += 1
         try:
-            self._copy_leased(keys, buffers, by_tier, touch)
+            self._copy_leased(keys, batch, buffers, by_tier, touch)
         finally:
             with self._index_lock:
                 self._leased_reads -= 1
 
-    def _copy_leased(self, keys: Sequence[BlockKey], buffers: list[torch.Tensor],
-                     by_tier: dict[int, list[int]], touch: bool) -> None:
+    def _copy_leased(self, keys: Sequence[BlockKey], batch: torch.Tensor | None,
+                     buffers: Sequence[torch.Tensor] | None, by_tier: dict[int, list[int]],
+                     touch: bool) -> None:
+        """Copy leased blocks into ``batch`` (``[n, nbytes]`` rows) or ``buffers`` (1-D, one per key)."""
         for t, idx in by_tier.items():
             start = time.perf_counter()
             tier = self.tiers[t]
+            whole = len(idx) == len(keys)
+            tier_keys = keys if whole else [keys[i] for i in idx]
             # rows of one caller tensor (an engine's load buffer) out of a CPU tier: one call for the batch
-            rows = as_rows([buffers[i] for i in idx]) if type(tier) is CpuTier and len(idx) > 1 else None
-            if rows is None or not cast("CpuTier", tier).read_rows([keys[i] for i in idx], rows):
-                for i, view in zip(idx, tier.views([keys[i] for i in idx]), strict=True):
-                    buffers[i].copy_(view)
-            self._count_memory_read(t, idx, keys, buffers, time.perf_counter() - start, touch=touch,
+            if batch is not None:
+                rows = batch if whole else None
+                nbytes = len(idx) * batch.shape[1]
+            else:
+                assert buffers is not None
+                rows = as_rows([buffers[i] for i in idx]) if type(tier) is CpuTier and len(idx) > 1 else None
+                nbytes = sum(buffers[i].numel() for i in idx)
+            if rows is None or type(tier) is not CpuTier or \
+                    not cast("CpuTier", tier).read_rows(tier_keys, rows):
+                targets = batch.unbind(0) if batch is not None else cast("Sequence[torch.Tensor]", buffers)
+                for i, view in zip(idx, tier.views(tier_keys), strict=True):
+                    targets[i].copy_(view)
+            self._count_memory_read(t, idx, keys, nbytes, time.perf_counter() - start, touch=touch,
                                     misses_above=True)
         self._count_load(len(keys))
 
-    def _count_memory_read(self, t: int, idx: list[int], keys: Sequence[BlockKey],
-                           buffers: Sequence[torch.Tensor], elapsed: float, *, touch: bool,
-                           misses_above: bool) -> None:
+    def _count_memory_read(self, t: int, idx: list[int], keys: Sequence[BlockKey], nbytes: int,
+                           elapsed: float, *, touch: bool, misses_above: bool) -> None:
         """Counters (and recency, with ``touch``) of blocks copied out of memory tier ``t`` on the
-        caller's thread."""
+        caller's thread (``nbytes`` of them)."""
         with self._index_lock:
             tier, activity = self.tiers[t], self._activity[t]
             tier.counters.blocks_read += len(idx)
-            tier.counters.bytes_read += sum(buffers[i].numel() for i in idx)
+            tier.counters.bytes_read += nbytes
             tier.counters.read_seconds += elapsed
             activity.observe("get", elapsed)
             activity.hits += len(idx)
@@ -801,8 +858,9 @@ class AsyncTieredCache:
         return CacheStats(tiers=tuple(tiers), **self._counts)
 
     # --- internals ------------------------------------------------------------------------------------
-    def _byte_blocks(self, keys: Sequence[BlockKey], blocks: Blocks, what: str) -> list[torch.Tensor]:
-        """Validate caller blocks against their groups' layouts; return 1-D uint8 views (no copies)."""
+    def _byte_blocks(self, keys: Sequence[BlockKey], blocks: Blocks, what: str) -> Sequence[torch.Tensor]:
+        """Validate caller blocks against their groups' layouts; return 1-D uint8 views (no copies): a
+        :class:`RowBatch` over a caller's one tensor, else a list."""
         self._check_keys(keys)
         if isinstance(blocks, torch.Tensor):
             if blocks.dim() == 0 or blocks.shape[0] != len(keys):
@@ -815,8 +873,7 @@ class AsyncTieredCache:
             if not keys:
                 return []
             _check_device(blocks, what)
-            rows = self.layouts[keys[0].group_id].check_blocks(blocks, what)
-            return list(rows.unbind(0))
+            return RowBatch(self.layouts[keys[0].group_id].check_blocks(blocks, what))
         if len(blocks) != len(keys):
             raise LayoutMismatch(f"{len(keys)} keys but {len(blocks)} {what}")
         out = []
@@ -827,6 +884,17 @@ class AsyncTieredCache:
             _check_device(block, f"{what}[{i}]")
             out.append(layout.check_blocks(block.unsqueeze(0), f"{what}[{i}]")[0])
         return out
+
+    def _blocks_for(self, t: int, buffers: Sequence[torch.Tensor | None], idx: list[int], *,
+                    writable: bool) -> Sequence[torch.Tensor | None] | torch.Tensor:
+        """Blocks ``idx`` of ``buffers`` as tier ``t``'s put/get takes them: for a CPU tier, a caller's
+        batch as one ``[n, nbytes]`` tensor (one check and one copy per batch; a view when the tier
+        writes into it); otherwise one tensor per block."""
+        if t in self._row_tiers and isinstance(buffers, RowBatch):
+            rows = buffers.take(idx, writable=writable)
+            if rows is not None:
+                return rows
+        return [buffers[i] for i in idx]
 
     def _check_keys(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
@@ -908,7 +976,7 @@ class AsyncTieredCache:
         return found
 
     async def _promote(self, keys: Sequence[BlockKey], where: Sequence[int],
-                       buffers: list[torch.Tensor]) -> None:
+                       buffers: Sequence[torch.Tensor]) -> None:
         """Copy the hits ``keys`` (read from tiers ``where`` into ``buffers``) up: the residency plans it
         (:meth:`Residency.plan_promotion`, shared with ``kvtier replay``), this moves the bytes."""
         if not any(map(self.residency.placement.should_promote, where)):
@@ -943,45 +1011,50 @@ class AsyncTieredCache:
             if plan.drops[t]:
                 self._activity[t].evictions += len(plan.drops[t])
                 await self._safe_delete(t, plan.drops[t])
-        stored: set[int] = set()
-        writes = [(t, [i for i in idx if buffers[i] is not None]) for t, idx in enumerate(plan.writes) if idx]
+        stored: list[int] = []
+        whole = isinstance(buffers, RowBatch)  # a caller's batch: every block is there
+        writes = [(t, idx if whole else [i for i in idx if buffers[i] is not None])
+                  for t, idx in enumerate(plan.writes) if idx]
         results = await _outcomes([
-            self._safe_io(t, "put", [keys[i] for i in idx], [buffers[i] for i in idx]) for t, idx in writes])
+            self._safe_io(t, "put", [keys[i] for i in idx], self._blocks_for(t, buffers, idx, writable=True))
+            for t, idx in writes])
         refused: BaseException | None = None  # a tier refused the caller's buffers (LayoutMismatch)
         links: list[tuple[int, list[tuple[BlockKey, BlockKey]]]] = []
         with self._index_lock:
-            for t, idx in enumerate(plan.writes):
-                missing = [i for i in idx if buffers[i] is None]
-                for i in missing:  # the bytes never came: the planned write fails
-                    self.residency.finish_write(t, keys[i], False)
-                    self._activity[t].failed_stores += 1
-                self._changed(keys[i] for i in missing)
+            if not whole:
+                for t, idx in enumerate(plan.writes):
+                    missing = [keys[i] for i in idx if buffers[i] is None]
+                    self.residency.tiers[t].settle_many(missing, False)  # the bytes never came: it fails
+                    self._activity[t].failed_stores += len(missing)
+                    self._changed(missing)
             for (t, idx), res in zip(writes, results, strict=True):
                 if isinstance(res, BaseException):
                     refused = refused or res
                     res = [False] * len(idx)  # settle the plan's entries before raising: nothing leaks
-                for i, ok in zip(idx, res, strict=True):
-                    self.residency.finish_write(t, keys[i], ok)
-                    if ok:
-                        stored.add(i)
-                        self._activity[t].stores += 1
-                    else:
-                        self._activity[t].failed_stores += 1
+                written = [i for i, ok in zip(idx, res, strict=True) if ok]
+                good = [keys[i] for i in written]
+                index = self.residency.tiers[t]
+                index.settle_many(good, True)  # Residency.finish_write of each
+                if len(good) != len(idx):
+                    index.settle_many([keys[i] for i, ok in zip(idx, res, strict=True) if not ok], False)
+                stored.extend(written)
+                self._activity[t].stores += len(good)
+                self._activity[t].failed_stores += len(idx) - len(good)
                 self._changed(keys[i] for i in idx)
-                links.append((t, self._links_of(t, [keys[i] for i, ok in zip(idx, res, strict=True) if ok])))
+                links.append((t, self._links_of(t, good)))
             if planned:
                 self._report_removed((k for moves in plan.demotions for k, _ in moves), copied)
             else:
                 self._report_removed((k for drops in plan.drops for k in drops), copied)
-        for t, written in links:  # outside the index lock: a file append must not stall lease()
-            if written:
-                self.tiers[t].record_links(written)
+        for t, linked in links:  # outside the index lock: a file append must not stall lease()
+            if linked:
+                self.tiers[t].record_links(linked)
         for t, tier in enumerate(self.tiers):
             if tier.capacity_version != self._capacity_seen[t]:
                 await self._follow_capacity(t)
         if refused is not None:
             raise refused
-        return sorted(stored)
+        return sorted(set(stored))
 
     async def _follow_capacity(self, t: int) -> None:
         """A tier changed its own capacity (a full disk): index it, and evict what no longer fits.
@@ -1112,12 +1185,13 @@ def _run_now(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def _chain_hints(keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None,
-                 predecessors: Sequence[BlockKey | None] | None) -> Sequence[InsertHint]:
-    """Insert hints for a store: given, or positions in the call; predecessors folded in, checked."""
+                 predecessors: Sequence[BlockKey | None] | None) -> Sequence[InsertHint] | None:
+    """Insert hints for a store: given, or positions in the call; predecessors folded in, checked.
+    None when neither is given (the residency then uses the positions, without a hint per key)."""
     if hints is not None and len(hints) != len(keys):
         raise ValueError(f"hints has {len(hints)} entries for {len(keys)} keys")
     if predecessors is None:
-        return hints if hints is not None else [InsertHint(position=i) for i in range(len(keys))]
+        return hints
     if isinstance(predecessors, (str, bytes)) or len(predecessors) != len(keys):
         raise ValueError(f"predecessors must be a sequence of BlockKey or None aligned with keys "
                          f"({len(keys)} keys), got {_length(predecessors)} entries")

@@ -162,10 +162,92 @@ def verify_payload(header_buf: bytes | bytearray | memoryview, header: BlockHead
     pview = memoryview(payload).cast("B")  # type: ignore[arg-type]
     if pview.nbytes != header.payload_len:
         raise CorruptBlock(f"payload has {pview.nbytes} bytes, header says {header.payload_len}")
-    zeroed = bytearray(memoryview(header_buf).cast("B")[:HEADER_SIZE])
-    zeroed[_CHECKSUM_OFFSET:_CHECKSUM_OFFSET + 8] = bytes(8)
-    if _checksum(zeroed, pview) != header.checksum:
-        raise CorruptBlock(f"checksum mismatch for {header.key}")
+    running = PayloadChecksum(header_buf, header)
+    running.update(pview)
+    running.verify()
+
+
+class PayloadChecksum:
+    """:func:`verify_payload` in pieces: feed the payload as it arrives (each piece while it is still in
+    the CPU cache, right after a receive wrote it), then :meth:`verify`."""
+
+    __slots__ = ("header", "_hash", "_fed")
+
+    def __init__(self, header_buf: bytes | bytearray | memoryview, header: BlockHeader) -> None:
+        zeroed = bytearray(memoryview(header_buf).cast("B")[:HEADER_SIZE])
+        zeroed[_CHECKSUM_OFFSET:_CHECKSUM_OFFSET + 8] = bytes(8)
+        self.header = header
+        self._hash = xxhash.xxh3_64(zeroed)
+        self._fed = 0
+
+    def update(self, piece: bytes | bytearray | memoryview | np.ndarray) -> None:
+        self._hash.update(piece)  # type: ignore[arg-type]
+        self._fed += memoryview(piece).nbytes  # type: ignore[arg-type]
+
+    def verify(self) -> None:
+        """Raise :class:`CorruptBlock` unless exactly the header's payload length was fed and matches."""
+        if self._fed != self.header.payload_len:
+            raise CorruptBlock(f"payload has {self._fed} bytes, header says {self.header.payload_len}")
+        if self._hash.intdigest() != self.header.checksum:
+            raise CorruptBlock(f"checksum mismatch for {self.header.key}")
+
+
+class RawHeaders:
+    """The headers of uncompressed blocks of one layout and namespace, checksum field zeroed.
+
+    A reader that knows what it expects compares a stored header with :meth:`of` ``(key)`` in one step
+    (:func:`verify_raw`) instead of decoding and checking each field. The fixed fields are packed once
+    per group and hash length; a key's header is then one ``join``.
+    """
+
+    def __init__(self, layout_fp: int, raw_len: int, namespace_fp: int = 0) -> None:
+        self.layout_fp, self.raw_len = layout_fp, raw_len
+        self._tail = _NAMESPACE.pack(namespace_fp) + bytes(HEADER_SIZE - _NAMESPACE_OFFSET - _NAMESPACE.size)
+        self._heads: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+
+    def of(self, key: BlockKey) -> bytes:
+        block_hash = key.block_hash
+        parts = self._heads.get((key.group_id, len(block_hash)))
+        if parts is None:
+            packed = _pack_header(key, self.layout_fp, 0, 0, self.raw_len, self.raw_len, 0)
+            parts = self._heads[key.group_id, len(block_hash)] = (
+                bytes(packed[:_FIXED.size]), bytes(MAX_HASH_BYTES - len(block_hash)))
+        return b"".join((parts[0], block_hash, parts[1], self._tail))
+
+
+def start_raw_check(header_buf: bytes | bytearray | memoryview, expected: bytes) -> xxhash.xxh3_64 | None:
+    """Compare a stored header with ``expected`` (:meth:`RawHeaders.of`) byte for byte, checksum aside.
+
+    ``None``: not this exact raw block (the caller decodes the header the long way, with
+    :func:`decode_header` and :func:`verify_payload`, to learn why or to read an lz4 block). Else the
+    checksum's digest, fed the header: the caller feeds it the payload, in as many pieces as it reads
+    (each while it is still in the CPU cache), then asks :func:`finish_raw_check`.
+    """
+    view = memoryview(header_buf)
+    if view[:_CHECKSUM_OFFSET] != expected[:_CHECKSUM_OFFSET] or \
+            view[_CHECKSUM_OFFSET + 8:HEADER_SIZE] != expected[_CHECKSUM_OFFSET + 8:]:
+        return None
+    return xxhash.xxh3_64(expected)
+
+
+def finish_raw_check(header_buf: bytes | bytearray | memoryview, digest: xxhash.xxh3_64) -> bool:
+    """Whether ``digest`` (header and payload fed) is the checksum the stored header carries."""
+    stored = memoryview(header_buf)[_CHECKSUM_OFFSET:_CHECKSUM_OFFSET + 8]
+    return digest.intdigest() == int.from_bytes(stored, "little")
+
+
+def verify_raw(header_buf: bytes | bytearray | memoryview, expected: bytes,
+               payload: bytes | bytearray | memoryview | np.ndarray) -> bool:
+    """Whether ``header_buf`` is ``expected`` and its checksum covers ``payload`` (one buffer).
+
+    Every header byte is compared, so a ``True`` checks as much as :func:`decode_header` and
+    :func:`verify_payload` do; a ``False`` says only "not this exact raw block".
+    """
+    digest = start_raw_check(header_buf, expected)
+    if digest is None:
+        return False
+    digest.update(payload)  # type: ignore[arg-type]
+    return finish_raw_check(header_buf, digest)
 
 
 def decode_payload_into(header: BlockHeader, payload: bytes | bytearray | memoryview, out: np.ndarray,

@@ -19,8 +19,9 @@ import functools
 import logging
 import math
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple, TypeAlias
+from typing import NamedTuple, TypeAlias, cast
 
+import numpy as np
 import torch
 
 from kvtier.errors import LayoutMismatch, TierUnavailable
@@ -33,8 +34,9 @@ log = logging.getLogger(__name__)
 #: contiguous; the page of block ``b`` is entry ``b``), or ``(rows, page_bytes)``: the first
 #: ``page_bytes`` bytes of each row of a 2-D ``[num_blocks, row]`` tensor (vLLM's ``CanonicalKVCaches``).
 Region: TypeAlias = torch.Tensor | tuple[torch.Tensor, int]
-#: Engine block ids: a tensor, or a ``range`` of step 1 (moved by slicing, without an index gather).
-BlockIds: TypeAlias = torch.Tensor | range
+#: Engine block ids: a tensor or a numpy array of integers, or a ``range`` of step 1 (moved by slicing,
+#: without an index gather).
+BlockIds: TypeAlias = torch.Tensor | np.ndarray | range
 
 #: Integer dtype of each width: copies move words of the widest width every address allows.
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
@@ -86,6 +88,14 @@ class PageMover:
             offset += size * blocks_per_chunk
         self._words = [_word(*rows.shape[-1:], *_strides(rows), int(rows.storage_offset()), offset, size)
                        for rows, offset, size in zip(self.pages, self.offsets, sizes, strict=True)]
+        #: host pages as numpy arrays of their words: a worker moves a few KiB per job, where numpy's
+        #: per-call cost is a fraction of torch's (views, index_select, index_copy_); None off the host
+        self._host = _host_pages(self.pages, self._words) if self.device.type == "cpu" else None
+        #: the same as ``[num_blocks, words]`` where every page is one dense row and a chunk is one engine
+        #: block (the usual case): a move is then one ``np.take`` or indexed assignment per region
+        self._host_rows = [pages.reshape(pages.shape[0], -1) for pages in self._host] \
+            if self._host is not None and blocks_per_chunk == 1 and all(p.shape[1] == 1 for p in self._host) \
+            else None
 
     @functools.cached_property
     def _pieces(self) -> _Pieces:
@@ -158,6 +168,9 @@ class PageMover:
         """Copy engine blocks ``block_ids`` (``n × blocks_per_chunk`` of them) into ``n`` blocks ``out``."""
         blocks = self._block_rows(out, "out")
         n, bpc = blocks.shape[0], self.blocks_per_chunk
+        if self._host is not None and not isinstance(block_ids, range) and blocks.is_cpu:
+            self._gather_host(self._host_ids(block_ids, n * bpc, "gather"), blocks.numpy())
+            return
         ids = self._ids(block_ids, n * bpc, "gather")
         for rows, offset, size, word in self._regions():
             word = _fit(word, blocks)
@@ -176,10 +189,14 @@ class PageMover:
         """Write engine blocks ``block_ids`` from offloaded ``blocks``, starting ``skip`` engine blocks in."""
         source = self._block_rows(blocks, "blocks")
         n, bpc = source.shape[0], self.blocks_per_chunk
-        count = len(block_ids) if isinstance(block_ids, range) else block_ids.numel()
+        count = len(block_ids) if isinstance(block_ids, range) else \
+            block_ids.size if isinstance(block_ids, np.ndarray) else block_ids.numel()
         if skip < 0 or skip + count > n * bpc:
             raise LayoutMismatch(f"{count} engine blocks from {n} offloaded blocks of {bpc} "
                                  f"(skipping {skip}) do not fit")
+        if self._host is not None and not isinstance(block_ids, range) and source.is_cpu:
+            self._scatter_host(source.numpy(), self._host_ids(block_ids, count, "scatter"), skip)
+            return
         ids = self._ids(block_ids, count, "scatter")
         for rows, offset, size, word in self._regions():
             word = _fit(word, source)
@@ -199,6 +216,60 @@ class PageMover:
                 taken = ids[first::bpc]
                 src = pages[chunk:chunk + taken.numel(), within].to(self.device)
                 _as_words(rows, word).index_copy_(0, taken, _as_words(src, word))
+
+    def _gather_host(self, ids: np.ndarray, blocks: np.ndarray) -> None:
+        """:meth:`gather` on the host: one ``np.take`` per region (per engine block of a chunk)."""
+        n, bpc = blocks.shape[0], self.blocks_per_chunk
+        if self._host_rows is not None:
+            for rows, offset, size in zip(self._host_rows, self.offsets, self.page_sizes, strict=True):
+                np.take(rows, ids, axis=0, out=blocks[:, offset:offset + size].view(rows.dtype))
+            return
+        for pages, offset, size in zip(cast("list[np.ndarray]", self._host), self.offsets, self.page_sizes,
+                                       strict=True):
+            # a view (splitting the contiguous last axis never copies): [n, bpc, *page] in the page's words
+            dst = blocks[:, offset:offset + size * bpc].view(pages.dtype).reshape(n, bpc, *pages.shape[1:])
+            if bpc == 1:
+                np.take(pages, ids, axis=0, out=dst[:, 0])
+                continue
+            for within in range(bpc):
+                np.take(pages, ids[within::bpc], axis=0, out=dst[:, within])
+
+    def _scatter_host(self, blocks: np.ndarray, ids: np.ndarray, skip: int) -> None:
+        """:meth:`scatter` on the host: one indexed assignment per region (per engine block of a chunk)."""
+        n, bpc, count = blocks.shape[0], self.blocks_per_chunk, ids.shape[0]
+        if self._host_rows is not None:
+            for rows, offset, size in zip(self._host_rows, self.offsets, self.page_sizes, strict=True):
+                rows[ids] = blocks[skip:skip + count, offset:offset + size].view(rows.dtype)
+            return
+        for pages, offset, size in zip(cast("list[np.ndarray]", self._host), self.offsets, self.page_sizes,
+                                       strict=True):
+            src = blocks[:, offset:offset + size * bpc].view(pages.dtype).reshape(n, bpc, *pages.shape[1:])
+            if bpc == 1:
+                pages[ids] = src[skip:skip + count, 0]
+                continue
+            for within in range(bpc):  # each engine block position of a chunk
+                first = (within - skip) % bpc  # the first of block_ids at that position
+                if first >= count:
+                    continue
+                chunk = (skip + first) // bpc
+                taken = ids[first::bpc]
+                pages[taken] = src[chunk:chunk + taken.shape[0], within]
+
+    def _host_ids(self, block_ids: torch.Tensor | np.ndarray, count: int, what: str) -> np.ndarray:
+        """Engine block ids as a 1-D numpy integer array, checked in range once for the batch (numpy
+        would wrap a negative id around: never served, refused here)."""
+        if not isinstance(block_ids, np.ndarray):  # a tensor
+            block_ids = block_ids.cpu().numpy()
+        ids = block_ids.reshape(-1)
+        if ids.shape[0] != count:
+            raise LayoutMismatch(f"{what} needs {count} engine block ids, got {ids.shape[0]}")
+        if ids.dtype.kind not in "iu":
+            raise LayoutMismatch(f"{what}: engine block ids must be integers, got {ids.dtype}")
+        # one reduction for both bounds: a negative id read unsigned is past every block
+        if count and ids.view(f"u{ids.itemsize}").max() >= self.num_blocks:
+            raise LayoutMismatch(f"{what}: engine block ids must lie in [0, {self.num_blocks}), got "
+                                 f"{ids.min()} to {ids.max()}")
+        return ids
 
     def _regions(self) -> Iterator[tuple[torch.Tensor, int, int, int]]:
         return zip(self.pages, self.offsets, self.page_sizes, self._words, strict=True)
@@ -224,6 +295,7 @@ class PageMover:
                 raise LayoutMismatch(f"{what} needs {count} engine blocks in [0, {self.num_blocks}), "
                                      f"got {block_ids}")
             return slice(block_ids.start, block_ids.stop)
+        block_ids = _as_tensor(block_ids)
         if block_ids.numel() != count:
             raise LayoutMismatch(f"{what} needs {count} engine block ids, got {block_ids.numel()}")
         return block_ids.reshape(-1).to(self.device)
@@ -337,6 +409,15 @@ def _page_rows(region: Region, index: int) -> torch.Tensor:
     return data.as_strided((data.shape[0], *shape), (data.stride(0), *strides))
 
 
+def _host_pages(pages: list[torch.Tensor], words: list[int]) -> list[np.ndarray] | None:
+    """Each region's page rows as a numpy array of its words (views of the engine's memory); None when
+    numpy cannot view one (torch copies then)."""
+    try:
+        return [_as_words(rows, word).numpy() for rows, word in zip(pages, words, strict=True)]
+    except (RuntimeError, TypeError):  # a tensor numpy cannot share (one that requires grad, say)
+        return None
+
+
 def _strides(rows: torch.Tensor) -> list[int]:
     """Byte strides of a page view's block and row dims (torch checks them all when viewing as words,
     even those of a dim of one entry)."""
@@ -373,4 +454,6 @@ def _as_words(tensor: torch.Tensor, word: int) -> torch.Tensor:
 def _as_tensor(block_ids: BlockIds) -> torch.Tensor:
     if isinstance(block_ids, range):
         return torch.arange(block_ids.start, block_ids.stop, block_ids.step, dtype=torch.int64)
+    if isinstance(block_ids, np.ndarray):
+        return torch.from_numpy(block_ids)
     return block_ids

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier import AsyncTieredCache, BlockKey, LayoutMismatch, TieredCache
 from kvtier.tiers.base import Tier
@@ -457,6 +459,31 @@ def test_read_leased_into_one_tensor_copies_each_block_from_its_slot() -> None:
         assert cache.stats().tiers[0].hits == 4
 
 
+@settings(max_examples=30, deadline=None)
+@given(order=st.permutations(range(5)), count=st.integers(1, 5))
+def test_read_leased_into_raw_rows_equals_the_typed_read(order: list[int], count: int) -> None:
+    """An engine's ``[n, nbytes]`` uint8 load buffer is filled with each key's bytes, as a typed tensor is;
+    a key not leased is refused before anything is copied."""
+    layout = small_layout()
+    keys, blocks = make_keys(5), random_blocks(5, layout, seed=17)
+    chosen = [keys[i] for i in order[:count]]
+    with TieredCache.from_config(_cpu_only_config(5)) as cache:
+        assert cache.store(keys, blocks) == 5
+        rows = torch.zeros((count, layout.nbytes), dtype=torch.uint8)
+        with pytest.raises(ValueError, match="not leased"):
+            cache.read_leased(chosen, [0] * count, rows)
+        assert not rows.any()
+        where = cache.lease(chosen)
+        cache.read_leased(chosen, where, rows)
+        typed = torch.empty((count, *layout.shape), dtype=layout.dtype)
+        cache.read_leased(chosen, where, typed)
+        cache.release(chosen, where)
+        assert torch.equal(rows, typed.view(torch.uint8).view(count, -1))
+        assert same(typed, blocks[order[:count]])
+        stats = cache.stats()
+        assert stats.tiers[0].hits == 2 * count and stats.tiers[0].bytes_read == 2 * count * layout.nbytes
+
+
 def test_execute_now_declines_slow_tiers_and_refuses_after_close(two_tier_config: dict[str, Any]) -> None:
     from kvtier import CacheClosed
 
@@ -472,3 +499,26 @@ def test_execute_now_declines_slow_tiers_and_refuses_after_close(two_tier_config
     cache.close()
     with pytest.raises(CacheClosed):
         cache.core.execute_now(plan, keys, [row])
+
+
+@pytest.mark.parametrize("order", ["interleaved", "reversed"])
+def test_load_into_one_tensor_from_two_cpu_tiers_in_any_order(order: str) -> None:
+    """A CPU tier fills a caller's batch tensor in one call only where its rows are a run; any other
+    mix of tiers must still land every block in its own row."""
+    layout = small_layout()
+    block = layout.nbytes
+    config = {"model": dict(SMALL_MODEL), "hash_block_size": 16,
+              "tiers": [{"type": "cpu", "name": "top", "capacity": 4 * block, "pinned": False},
+                        {"type": "cpu", "name": "lower", "capacity": 16 * block, "pinned": False}],
+              "placement": {"promote_on_hit": False}}
+    keys, blocks = make_keys(8), random_blocks(8, layout, seed=11)
+    with TieredCache.from_config(config) as cache:
+        for i in range(8):  # the top tier keeps the last four, the first four are demoted
+            assert cache.store(keys[i:i + 1], blocks[i:i + 1]) == 1
+        top, lower = cache.stats().tiers
+        assert top.demotions_out == 4 and lower.stores == 4
+        picked = [0, 4, 1, 5, 2, 6, 3, 7] if order == "interleaved" else list(range(7, -1, -1))
+        out = torch.zeros((8, *layout.shape), dtype=layout.dtype)
+        assert cache.load([keys[i] for i in picked], out) == 8
+        for row, i in enumerate(picked):
+            assert same(out[row], blocks[i])

@@ -6,7 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.blocks import BlockKey
-from kvtier.codec import HEADER_SIZE, decode_block_into, decode_header, encode_block
+from kvtier.codec import (
+    HEADER_SIZE,
+    PayloadChecksum,
+    RawHeaders,
+    decode_block_into,
+    decode_header,
+    encode_block,
+    verify_payload,
+    verify_raw,
+)
 from kvtier.errors import CorruptBlock
 
 KEY = BlockKey(b"\xab" * 32, 2)
@@ -116,3 +125,72 @@ def test_namespace_fingerprint_follows_the_namespace_object() -> None:
     assert a.fingerprint == Namespace("m", "float16", 1, tp_rank=0, tp_size=2).fingerprint
     assert len({a.fingerprint, Namespace("m", "float16", 1, tp_rank=1, tp_size=2).fingerprint,
                 Namespace("n", "float16", 1, tp_rank=0, tp_size=2).fingerprint}) == 3
+
+
+@given(data=st.binary(min_size=2, max_size=4096).filter(lambda b: len(b) % 2 == 0),
+       cuts=st.lists(st.integers(0, 4096), max_size=5), flip=st.one_of(st.none(), st.integers(0, 4095)))
+@settings(max_examples=80)
+def test_payload_checksum_in_pieces_agrees_with_verify_payload(data: bytes, cuts: list[int],
+                                                               flip: int | None) -> None:
+    header_buf, payload = encode_block(KEY, LAYOUT, np.frombuffer(data, dtype=np.uint8))
+    received = bytearray(payload)
+    if flip is not None and flip < len(received):
+        received[flip] ^= 1
+    header = decode_header(header_buf)
+    bounds = sorted({0, len(received), *(c for c in cuts if c <= len(received))})
+    running = PayloadChecksum(header_buf, header)
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        running.update(memoryview(received)[start:end])
+    try:
+        verify_payload(header_buf, header, received)
+    except CorruptBlock:
+        with pytest.raises(CorruptBlock, match="checksum"):
+            running.verify()
+        assert received != payload
+    else:
+        running.verify()
+        assert received == payload
+
+
+def test_payload_checksum_refuses_a_short_payload() -> None:
+    header_buf, payload = encode_block(KEY, LAYOUT, np.arange(64, dtype=np.uint8))
+    running = PayloadChecksum(header_buf, decode_header(header_buf))
+    running.update(payload[:63])
+    with pytest.raises(CorruptBlock, match="63 bytes"):
+        running.verify()
+def _long_way_accepts(header: bytes, payload: bytes, key: BlockKey, layout: int, raw_len: int,
+                      ns: int) -> bool:
+    try:
+        decoded = decode_header(header, expected_key=key, expected_layout=layout, expected_raw_len=raw_len,
+                                expected_namespace=ns)
+        verify_payload(header, decoded, payload)
+    except CorruptBlock:
+        return False
+    return not decoded.compressed
+
+
+@settings(max_examples=150)
+@given(block_hash=st.binary(max_size=64), group=st.integers(0, 2**32 - 1), ns=st.integers(0, 2**64 - 1),
+       data=st.binary(min_size=2, max_size=2048).filter(lambda b: len(b) % 2 == 0), compress=st.booleans(),
+       position=st.integers(-1, HEADER_SIZE + 2047), flip=st.integers(1, 255),
+       other_key=st.booleans(), other_ns=st.booleans())
+def test_the_one_step_raw_check_agrees_with_the_field_by_field_one(
+        block_hash: bytes, group: int, ns: int, data: bytes, compress: bool, position: int, flip: int,
+        other_key: bool, other_ns: bool) -> None:
+    """``verify_raw`` accepts exactly the raw blocks that ``decode_header`` + ``verify_payload`` accept
+    (an lz4 block it leaves to them), whatever byte was damaged, and refuses another key or namespace."""
+    key = BlockKey(block_hash, group)
+    raw = np.frombuffer(data, dtype=np.uint8)
+    header, payload = encode_block(key, LAYOUT, raw, namespace_fp=ns, compress=compress, shuffle_itemsize=2)
+    stored = bytearray(bytes(header) + bytes(payload))
+    if 0 <= position < len(stored):
+        stored[position] ^= flip
+    stored_header, stored_payload = bytes(stored[:HEADER_SIZE]), bytes(stored[HEADER_SIZE:])
+    expected_key = BlockKey(block_hash + b"x", group) if other_key and len(block_hash) < 64 else key
+    expected_ns = ns ^ 1 if other_ns else ns
+    expected = RawHeaders(LAYOUT, raw.size, expected_ns).of(expected_key)
+    fast = verify_raw(stored_header, expected, stored_payload)
+    long_way = _long_way_accepts(stored_header, stored_payload, expected_key, LAYOUT, raw.size, expected_ns)
+    assert fast == long_way
+    if fast:
+        assert stored_payload == data

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -88,6 +89,15 @@ def test_gather_and_scatter_move_each_page_to_its_place(data: st.DataObject, bpc
     got = torch.full((chunks, block_bytes), 0xAB, dtype=torch.uint8)
     mover.gather(torch.tensor(ids), got)
     assert torch.equal(got, expected)
+    # numpy ids (a worker's), and the torch copies of devices other than the host: the same blocks
+    from_numpy = torch.full_like(got, 0xAB)
+    mover.gather(np.array(ids, dtype=data.draw(st.sampled_from([np.int64, np.int32]))), from_numpy)
+    assert torch.equal(from_numpy, expected)
+    torch_mover = PageMover(regions, bpc, block_bytes)
+    torch_mover._host = None  # what a CUDA engine without the kernels runs
+    by_torch = torch.full_like(got, 0xAB)
+    torch_mover.gather(torch.tensor(ids), by_torch)
+    assert torch.equal(by_torch, expected)
     replayed = torch.full_like(got, 0xAB)
     replay_with_memmove(mover.piece_addresses(torch.tensor(ids), replayed.data_ptr()), into_engine=False)
     assert torch.equal(replayed, expected)
@@ -111,6 +121,13 @@ def test_gather_and_scatter_move_each_page_to_its_place(data: st.DataObject, bpc
                             for p in positions])
         assert torch.equal(page[targets], want)
         offset += size * bpc
+    for move in (lambda: mover.scatter(expected, np.array(targets), skip),
+                 lambda: torch_mover.scatter(expected, torch.tensor(targets), skip)):
+        for owner, old in zip(owners, before, strict=True):
+            owner.copy_(old)
+        move()
+        for owner, want in zip(owners, scattered, strict=True):
+            assert torch.equal(owner, want)
     for owner, old in zip(owners, before, strict=True):
         owner.copy_(old)
     pieces = mover.piece_addresses(torch.tensor(targets), expected.data_ptr(), skip)
@@ -200,3 +217,17 @@ def test_words_follow_every_stride_even_of_a_single_block() -> None:
     assert out.view(torch.int16).tolist() == [[0, 1, 2, 3]]
     mover.scatter(torch.full((1, 8), 1, dtype=torch.uint8), range(1))
     assert region.tolist() == [[257] * 4]
+
+
+@pytest.mark.parametrize("bad", [[-1, 0], [0, 4], [0.0, 1.0]])
+def test_engine_block_ids_out_of_range_are_refused_before_any_copy(bad: list[float]) -> None:
+    """numpy would wrap a negative id around (another block's pages): refused, and nothing moves."""
+    layer = torch.arange(4 * 8, dtype=torch.uint8).view(4, 8)
+    before = layer.clone()
+    mover = PageMover([layer], 1, 8)
+    out = torch.zeros((2, 8), dtype=torch.uint8)
+    with pytest.raises(LayoutMismatch, match=r"\[0, 4\)|integers"):
+        mover.gather(np.array(bad), out)
+    with pytest.raises(LayoutMismatch, match=r"\[0, 4\)|integers"):
+        mover.scatter(out + 1, np.array(bad))
+    assert not out.any() and torch.equal(layer, before)

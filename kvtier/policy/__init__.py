@@ -15,6 +15,7 @@ from kvtier.policy.chains import LeafLRUPolicy
 from kvtier.policy.lifetime import LearnedLifetimePolicy
 from kvtier.policy.lru import LRUPolicy
 from kvtier.policy.prefix import PrefixAwarePolicy
+from kvtier.policy.probation import LeafProbationPolicy
 from kvtier.policy.sieve import SievePolicy
 from kvtier.policy.tinylfu import WTinyLFUPolicy
 
@@ -27,6 +28,7 @@ EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "prefix": PrefixAwarePolicy,
     "lifetime": LearnedLifetimePolicy,
     "leaf_lru": LeafLRUPolicy,
+    "leaf_probation": LeafProbationPolicy,
     "adaptive": AdaptiveChainPolicy,
 }
 
@@ -49,5 +51,5 @@ def make_eviction_policy(name: str) -> EvictionPolicy:
 
 
 __all__ = ["DEFAULT_EVICTION", "EVICTION_POLICIES", "ARCPolicy", "AdaptiveChainPolicy", "EvictionPolicy",
-           "InsertHint", "LRUPolicy", "LeafLRUPolicy", "LearnedLifetimePolicy", "PrefixAwarePolicy",
-           "SievePolicy", "WTinyLFUPolicy", "make_eviction_policy"]
+           "InsertHint", "LRUPolicy", "LeafLRUPolicy", "LeafProbationPolicy", "LearnedLifetimePolicy",
+           "PrefixAwarePolicy", "SievePolicy", "WTinyLFUPolicy", "make_eviction_policy"]

@@ -17,6 +17,7 @@ from kvtier.blocks import BlockKey
 from kvtier.policy.base import InsertHint, take_unpinned
 from kvtier.policy.chains import ChainForest
 from kvtier.policy.lifetime import _NEVER_KEEP, _SAMPLE_SHIFT, _SUB, LearnedLifetimePolicy, _bin
+from kvtier.policy.probation import ProbationLane
 
 
 def _last_reference(front: tuple[int, BlockKey, int]) -> int:
@@ -42,6 +43,8 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         # leaves that re-entered a class queue out of time order, with a heap of them (stale skipped)
         self._late: list[dict[BlockKey, int]] = [{} for _ in range(classes)]
         self._late_heap: list[list[tuple[int, BlockKey]]] = [[] for _ in range(classes)]
+        # chains stored by a request that missed its head leave first, newest first (loop resistance)
+        self.probation = ProbationLane()
 
     @property
     def leader(self) -> str:
@@ -116,6 +119,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             record[2] = queue.pop(key)
         elif key in self.chains.detached:
             self._detached[key] = queue.pop(key)
+        self.probation.stored(key, hint.predecessor, t, not inner)
 
     def access(self, key: BlockKey) -> None:
         # the lifetime policy's access, inlined, for a key in whichever lane holds it: a queued leaf
@@ -125,6 +129,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         if meta is None:
             return
         t = self._clock = self._clock + 1
+        self.probation.touched(key)
         old, h, then = meta
         cls = meta[0] = old + 1 if old < self._top else old
         if then >= 0:  # first: most hits are inner blocks of a cached prefix
@@ -168,11 +173,13 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         for k in detached:
             if k not in self._inner:
                 self._detached[k] = self._from_leaf(k)
+        self.probation.left(key)
         if parent is not None and parent in self._inner:
             del self._inner[parent]
             record = self._meta[parent]
             t, record[2] = record[2], -1
             self._to_leaf(parent, t)
+            self.probation.became_leaf(parent)
 
     # --- batches: the per-key methods above, inlined into one loop (same calls, same order) ---------
     def access_all(self, keys: Iterable[BlockKey]) -> None:
@@ -180,12 +187,18 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         meta_of = self._meta.get
         queues, late, detached = self._queues, self._late, self._detached
         top, hist, refs, reach, next_refit = self._top, self._hist, self._refs, self._reach, self._next_refit
+        # ProbationLane.touched, inlined: a hit ends probation (the lane never replaces these dicts)
+        on_probation, fresh_roots = self.probation.members, self.probation.fresh_roots
         t = self._clock
         for key in keys:
             meta = meta_of(key)
             if meta is None:
                 continue
             t += 1
+            if on_probation and on_probation.pop(key, None) is not None:
+                pass
+            elif fresh_roots:
+                fresh_roots.pop(key, None)
             old, h, then = meta
             cls = meta[0] = old + 1 if old < top else old
             if then >= 0:
@@ -229,11 +242,15 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         table, slot_mask, reach = self._table, self._slot_mask, self._reach
         repeat_within, hist, refs, next_refit = self._repeat_within, self._hist, self._refs, self._next_refit
         weights, learned = self.weights, self._learned
+        probation = self.probation
         for i, key in enumerate(keys):
             if i >= free:
-                # --- victims(1, pinned), its common case inlined
+                # --- victims(1, pinned): the probation lane first where it decides, then the leader's
+                # order with its common case inlined
                 victim = None
-                if not lane_detached:
+                if not lane_detached and probation.applies(len(meta_of)):
+                    victim = probation.victim(pinned, inner)
+                if victim is None and not lane_detached:
                     now = self._clock + 1
                     best_score = -1.0
                     for c, queue in enumerate(queues):
@@ -265,7 +282,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                         if score > best_score:
                             victim, best_score = cand, score
                 if victim is None:  # detached leaves, a pinned late leaf, or no unpinned leaf at all
-                    chosen = self.victims(1, pinned)
+                    chosen = self._victims(1, pinned)  # the lane, where it decides, was asked above
                     if not chosen:
                         return i, out
                     victim = chosen[0]
@@ -294,6 +311,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                     for k in chains.release(victim):
                         if k not in inner:
                             lane_detached[k] = self._from_leaf(k)
+                probation.left(victim)
                 if parent is not None and parent in inner:  # the parent is a leaf now: _to_leaf, inlined
                     del inner[parent]
                     record = meta_of[parent]
@@ -310,6 +328,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                         else:
                             late[record[0]][parent] = then
                             heapq.heappush(late_heaps[record[0]], (then, parent))
+                    probation.became_leaf(parent)
             # --- insert(key, hints[i]), inlined (keys are new)
             hint_pred = hints[i].predecessor
             h = crc32(*key)
@@ -362,15 +381,35 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 if is_inner:
                     inner[key] = None
                     record[2] = queue.pop(key)
+                    probation.stored(key, hint_pred, t, False)
                     continue
             if key in chain_detached:
                 lane_detached[key] = queue.pop(key)
+            probation.stored(key, hint_pred, t, True)
         return len(keys), out
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
         out: list[BlockKey] = []
         if count <= 0:
             return out
+        if not self._detached and self.probation.applies(len(self._meta)):
+            skip: Container[BlockKey] = pinned
+            while len(out) < count:
+                key = self.probation.victim(skip, self._inner)
+                if key is None:
+                    break
+                out.append(key)
+                skip = _Union(pinned, out)
+            if len(out) == count:
+                return out
+            if out:
+                out.extend(self._victims(count - len(out), skip))
+                return out
+        return self._victims(count, pinned)
+
+    def _victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
+        """:meth:`victims` by the leader expert's order (detached leaves first)."""
+        out: list[BlockKey] = []
         if count == 1 and not self._detached:  # the common case, inlined
             now, weights, learned = self._clock + 1, self.weights, self._learned
             best: BlockKey | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
+from itertools import islice
 
 from kvtier.blocks import BlockKey
 from kvtier.policy.base import EvictionPolicy, InsertHint, take_unpinned
@@ -31,12 +32,25 @@ class LRUPolicy(EvictionPolicy):
     def remove(self, key: BlockKey) -> None:
         self._order.pop(key, None)
 
+    def insert_new(self, keys: Iterable[BlockKey]) -> None:
+        """:meth:`insert` of keys not tracked yet, in order, in one call (a scheduler's batched
+        store plan)."""
+        self._order.update(dict.fromkeys(keys))
+
     def access_all(self, keys: Iterable[BlockKey]) -> None:
+        """:meth:`access` of each key, in order, in one call (a request's prefix hits, a finished
+        request's blocks)."""
         order = self._order
         move = order.move_to_end
         for key in keys:
             if key in order:
                 move(key)
+
+    def remove_all(self, keys: Iterable[BlockKey]) -> None:
+        """:meth:`remove` of each key, in one call."""
+        pop = self._order.pop
+        for key in keys:
+            pop(key, None)
 
     def store_new(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint], pinned: Container[BlockKey],
                   free: int) -> tuple[int, list[BlockKey]]:
@@ -58,9 +72,13 @@ class LRUPolicy(EvictionPolicy):
                 if key not in pinned:
                     return [key]
             return []
-        out: list[BlockKey] = []
-        if count > 0:
-            take_unpinned(self._order, pinned, count, out)
+        if count <= 0:
+            return []
+        out = list(islice(self._order, count))  # the oldest ones, when none is pinned (the usual case)
+        if len(out) == count and not any(map(pinned.__contains__, out)):
+            return out
+        out.clear()
+        take_unpinned(self._order, pinned, count, out)
         return out
 
     def __len__(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
+from typing import overload
 
 import numpy as np
 import torch
@@ -61,3 +62,44 @@ def strided_rows(array: np.ndarray, rows: Sequence[int]) -> np.ndarray | None:
     if step > 0:
         return array[first:last + 1:step]
     return array[first:last - 1 if last > 0 else None:step]
+
+
+class RowBatch(Sequence[torch.Tensor]):
+    """A caller's ``[n, nbytes]`` uint8 batch seen as n blocks, without making n row tensors.
+
+    The cache passes blocks around as sequences; a row tensor is made only when one is asked for,
+    while a tier that copies whole batches (the CPU tier) gets the rows it needs as one tensor
+    (:meth:`take`): one check and one copy per batch instead of one per block.
+    """
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> RowBatch: ...
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | RowBatch:
+        if isinstance(i, slice):
+            return RowBatch(self.rows[i])
+        return self.rows[i]
+
+    def take(self, idx: Sequence[int], *, writable: bool) -> torch.Tensor | None:
+        """Rows ``idx`` as one ``[len(idx), nbytes]`` tensor: a view when they are consecutive (a
+        batch's usual case); a copy otherwise, or None when ``writable`` (a copy would swallow what a
+        read writes into it)."""
+        if not idx:
+            return None
+        first = idx[0]
+        if idx[-1] - first == len(idx) - 1 and list(idx) == list(range(first, first + len(idx))):
+            return self.rows[first:first + len(idx)]
+        if writable:
+            return None
+        return self.rows[torch.tensor(list(idx), dtype=torch.long)]

@@ -94,9 +94,14 @@ class CpuTier(Tier):
         ``blocks``: one 1-D uint8 tensor per key, or one ``[n, nbytes]`` uint8 tensor whose rows are the
         keys' blocks (keys of one group): checked once and copied with one call, not one per block.
         """
+        return self.put_now(keys, blocks)
+
+    def put_now(self, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor] | torch.Tensor) -> list[bool]:
+        """:meth:`put` on the caller's thread (it never waits): for a cache running a plan there, without
+        a coroutine per call."""
         if isinstance(blocks, torch.Tensor):
             if self._is_row_batch(keys, blocks):
-                return self._put_rows(keys, blocks)
+                return self.put_rows(keys, blocks)
             # not such a batch: one block per row, and the check below names the fault
             blocks = list(blocks.unbind(0)) if blocks.dim() > 1 else [blocks]
         self.check_buffers(keys, blocks, "blocks")
@@ -129,12 +134,13 @@ class CpuTier(Tier):
         return (slab is not None and rows.shape[1] == slab.slot_bytes
                 and all(key.group_id == group_id for key in keys))
 
-    def _put_rows(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> list[bool]:
-        """:meth:`put` of a checked ``[n, nbytes]`` batch of one group: one copy for the whole batch."""
+    def put_rows(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> list[bool]:
+        """:meth:`put_now` of a batch the caller checked (a contiguous ``[len(keys), nbytes]`` uint8 CPU
+        tensor, keys of one group of this tier, as :meth:`_is_row_batch` says): one copy for the batch."""
         start = time.perf_counter()
-        slab = self._slabs[keys[0].group_id]
-        assign = self._slots.assign
-        slots = [assign(key) for key in keys]
+        group_id = keys[0].group_id
+        slab = self._slabs[group_id]
+        slots = self._slots.assign_many(group_id, keys)
         if None in slots:  # the slab filled up: copy the rows that got a slot
             placed = [i for i, slot in enumerate(slots) if slot is not None]
             rows = rows[torch.tensor(placed, dtype=torch.long)]
@@ -148,8 +154,16 @@ class CpuTier(Tier):
         self.counters.write_seconds += time.perf_counter() - start
         return ok
 
-    async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy resident blocks into ``out``; a key without a slot is a miss."""
+    async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | torch.Tensor) -> list[bool]:
+        """Copy resident blocks into ``out``; a key without a slot is a miss.
+
+        ``out``: one 1-D uint8 tensor per key, or one ``[n, nbytes]`` uint8 tensor whose rows receive
+        the keys' blocks (keys of one group): checked once and filled with one call.
+        """
+        if isinstance(out, torch.Tensor):
+            if self._is_row_batch(keys, out):
+                return self._get_rows(keys, out)
+            out = list(out.unbind(0)) if out.dim() > 1 else [out]
         self.check_buffers(keys, out, "out")
         start = time.perf_counter()
         ok = [False] * len(keys)
@@ -166,12 +180,35 @@ class CpuTier(Tier):
         self.counters.read_seconds += time.perf_counter() - start
         return ok
 
+    def _get_rows(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> list[bool]:
+        """:meth:`get` into a checked ``[n, nbytes]`` batch of one group: one copy when every key hits."""
+        start = time.perf_counter()
+        slab = self._slabs[keys[0].group_id]
+        slot_of = self._slots.slot
+        slots = [slot_of(key) for key in keys]
+        if None in slots:  # some misses: copy the hits' rows (their rows of ``rows`` are views)
+            hits = [i for i, slot in enumerate(slots) if slot is not None]
+            _copy_rows([rows[i] for i in hits], slab.tensor, [cast("int", slots[i]) for i in hits],
+                       into_slab=False)
+            ok = [slot is not None for slot in slots]
+        else:
+            _copy_batch(rows.numpy(), slab.tensor.numpy(), cast("list[int]", slots), into_slab=False)
+            ok = [True] * len(keys)
+        read = sum(ok)
+        self.counters.blocks_read += read
+        self.counters.bytes_read += read * slab.slot_bytes
+        self.counters.read_seconds += time.perf_counter() - start
+        return ok
+
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [key in self._slots for key in keys]
 
     async def delete(self, keys: Sequence[BlockKey]) -> None:
-        for key in keys:
-            self._slots.release(key)
+        self.delete_now(keys)
+
+    def delete_now(self, keys: Sequence[BlockKey]) -> None:
+        """:meth:`delete` on the caller's thread (see :meth:`put_now`)."""
+        self._slots.release_many(keys)
 
     def keys(self) -> Iterator[BlockKey]:
         return self._slots.keys()
@@ -196,8 +233,7 @@ class CpuTier(Tier):
         :meth:`views` does."""
         if not self._is_row_batch(keys, rows):
             return False
-        slot_of = self._slots.slot
-        slots = [slot_of(key) for key in keys]
+        slots = self._slots.slots_of(keys[0].group_id, keys)
         if None in slots:
             raise KeyError(f"{keys[slots.index(None)]} holds no slot in CPU tier {self.name!r}")
         slab = self._slabs[keys[0].group_id]

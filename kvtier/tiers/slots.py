@@ -8,7 +8,7 @@ a ``put``, and a full group simply refuses new keys.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from kvtier.blocks import BlockKey
 
@@ -71,6 +71,41 @@ class SlotAllocator:
         if slot is not None:
             group.free.append(slot)
         return slot
+
+    def assign_many(self, group_id: int, keys: Sequence[BlockKey]) -> list[int | None]:
+        """:meth:`assign` of each of ``keys``, all of group ``group_id`` (one call for a store's batch)."""
+        group = self._groups.get(group_id)
+        if group is None:
+            return [None] * len(keys)
+        slot_of, free = group.slot_of, group.free
+        slots: list[int | None] = []
+        append = slots.append
+        for key in keys:
+            slot = slot_of.get(key)
+            if slot is None:
+                if not free:
+                    append(None)
+                    continue
+                slot = slot_of[key] = free.pop()
+            append(slot)
+        return slots
+
+    def slots_of(self, group_id: int, keys: Sequence[BlockKey]) -> list[int | None]:
+        """:meth:`slot` of each of ``keys``, all of group ``group_id``."""
+        group = self._groups.get(group_id)
+        if group is None:
+            return [None] * len(keys)
+        return list(map(group.slot_of.get, keys))
+
+    def release_many(self, keys: Iterable[BlockKey]) -> None:
+        """:meth:`release` of each key (one call for a batch of evictions)."""
+        groups = self._groups
+        for key in keys:
+            group = groups.get(key.group_id)
+            if group is not None:
+                slot = group.slot_of.pop(key, None)
+                if slot is not None:
+                    group.free.append(slot)
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, BlockKey):

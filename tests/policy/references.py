@@ -330,3 +330,54 @@ class RefLeafLRU:
             return lane, self.time[key]
 
         return sorted((k for k in self.time if k not in pinned), key=rank)[:max(count, 0)]
+
+
+class RefLeafProbation(RefLeafLRU):
+    """Leaf-first LRU with the probation lane, by definition (:mod:`kvtier.policy.probation`).
+
+    A key stored with no predecessor is a fresh head until it is hit or gets a successor; a key
+    stored after a fresh head or a probation key is on probation (and so is that head) until hit.
+    While no detached leaf is resident and the keys off probation are at most 30 % of the resident
+    ones, probation leaves go first, the most recently stored first; then leaf-first LRU.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fresh: dict[BlockKey, int] = {}
+        self.probation: dict[BlockKey, int] = {}
+
+    def insert(self, key: BlockKey, hint: InsertHint = InsertHint()) -> None:
+        if key in self.time:
+            self.access(key)
+            return
+        super().insert(key, hint)
+        pred = hint.predecessor
+        if pred is None or pred == key:
+            self.fresh[key] = self.clock
+        elif pred in self.probation:
+            self.probation[key] = self.clock
+        elif pred in self.fresh:
+            self.probation[pred] = self.fresh.pop(pred)
+            self.probation[key] = self.clock
+
+    def access(self, key: BlockKey) -> None:
+        if key in self.time:
+            self.fresh.pop(key, None)
+            self.probation.pop(key, None)
+        super().access(key)
+
+    def remove(self, key: BlockKey) -> None:
+        self.fresh.pop(key, None)
+        self.probation.pop(key, None)
+        super().remove(key)
+
+    def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
+        inner = {p for k, p in self.pred.items() if k in self.time}
+        detached_leaf = any(self.detached(k) for k in self.time if k not in inner)
+        resident = len(self.time)
+        if detached_leaf or not self.probation or resident - len(self.probation) > 0.3 * resident:
+            return super().victims(count, pinned)
+        lane = sorted((k for k in self.probation if k not in inner and k not in pinned),
+                      key=lambda k: -self.probation[k])[:max(count, 0)]
+        rest = super().victims(count - len(lane), set(lane) | {k for k in self.time if k in pinned})
+        return lane + rest

@@ -93,11 +93,12 @@ def chat(refs: int, seed: int = 0, *, p_continue: float = 0.6, think: tuple[int,
 
 
 def sessions(refs: int, seed: int = 0, *, users: int = 8, new_blocks: tuple[int, int] = (1, 12),
-             turns: tuple[int, int] = (5, 40), system_blocks: int = 2) -> Trace:
+             turns: tuple[int, int] = (5, 40), system_blocks: int = 2, in_turn: bool = False) -> Trace:
     """Agentic sessions: ``users`` concurrent long sessions, one request at a time from a random
     user; each request re-sends its session's whole context and adds ``new_blocks``; a session
     ends after ``turns`` requests and its user starts a new one. Chains grow long and come back
-    after the other users' turns, so keeping heads whole matters more than telling blocks apart."""
+    after the other users' turns, so keeping heads whole matters more than telling blocks apart.
+    With ``in_turn`` the users take turns in a fixed order (a loop of sessions), not at random."""
     rnd = random.Random(seed)
     fresh = itertools.count(1 << 20)
     system = [next(fresh) for _ in range(system_blocks)]
@@ -105,7 +106,7 @@ def sessions(refs: int, seed: int = 0, *, users: int = 8, new_blocks: tuple[int,
     chains: list[list[int]] = []
     total = 0
     while total < refs:
-        u = rnd.randrange(users)
+        u = len(chains) % users if in_turn else rnd.randrange(users)
         blocks, left = live[u]
         blocks = blocks + [next(fresh) for _ in range(rnd.randint(*new_blocks))]
         chains.append(blocks)

@@ -147,3 +147,25 @@ def test_put_of_a_batch_tensor_equals_put_of_its_rows(slots: int, before: list[i
     assert sorted(tiers[0].keys()) == sorted(held)
     for a, b in zip(tiers[0].views(held), tiers[1].views(held), strict=True):
         assert torch.equal(a, b)
+
+
+@given(st.integers(1, 8), st.lists(st.integers(0, 9), max_size=8),
+       st.lists(st.integers(0, 9), min_size=1, max_size=8))
+@settings(max_examples=60, deadline=None)
+def test_get_into_a_batch_tensor_equals_get_into_its_rows(slots: int, stored: list[int],
+                                                          asked: list[int]) -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(10), random_blocks(10, layout, seed=7)
+    data = blocks.view(torch.uint8).reshape(10, -1)
+    tier = CpuTier("cpu", {0: layout}, {0: slots * layout.nbytes}, pinned=False)
+    asyncio.run(tier.put([keys[i] for i in stored], [data[i] for i in stored]))
+    picked = [keys[i] for i in asked]
+    into_batch = torch.zeros(len(asked), layout.nbytes, dtype=torch.uint8)
+    into_rows = torch.zeros_like(into_batch)
+    hits = asyncio.run(tier.get(picked, into_batch))
+    assert hits == asyncio.run(tier.get(picked, list(into_rows)))
+    assert hits == asyncio.run(tier.contains(picked))
+    assert tier.counters.blocks_read == 2 * sum(hits)
+    for row, (i, hit) in enumerate(zip(asked, hits, strict=True)):
+        assert torch.equal(into_batch[row], data[i] if hit else torch.zeros_like(data[i]))
+        assert torch.equal(into_rows[row], into_batch[row])

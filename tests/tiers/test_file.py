@@ -138,6 +138,34 @@ def test_io_runs_in_parallel_on_the_pool(tmp_path: Path, monkeypatch: pytest.Mon
     run(tier.close())
 
 
+def test_batches_in_flight_together_share_the_threads_without_a_task_each_per_thread(tmp_path: Path) -> None:
+    """Eight gets at once on four threads: the first takes the four threads, the ones that arrive while
+    all are taken queue as one task each; every block still comes back exact."""
+    tier = make_tier(tmp_path, io_threads=4)
+    keys = [key(i) for i in range(32)]
+    blocks = [random_block(0, i) for i in range(32)]
+    assert run(tier.put(keys, blocks)) == [True] * 32
+    submitted = []
+    real_submit = tier._executor.submit
+
+    def submit(fn, *args, **kwargs):
+        submitted.append(fn)
+        return real_submit(fn, *args, **kwargs)
+
+    tier._executor.submit = submit  # type: ignore[method-assign]
+    out = [torch.zeros_like(b) for b in blocks]
+
+    async def together() -> list[list[bool]]:
+        return await asyncio.gather(*[tier.get(keys[i:i + 4], out[i:i + 4]) for i in range(0, 32, 4)])
+
+    assert run(together()) == [[True] * 4] * 8
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+    assert len(submitted) == 4 + 7
+    assert run(tier.get(keys[:4], out[:4])) == [True] * 4  # alone again: the four threads
+    assert len(submitted) == 4 + 7 + 4
+    run(tier.close())
+
+
 def test_a_long_batch_shared_by_the_threads_keeps_every_result_in_place(tmp_path: Path) -> None:
     """More blocks than threads, mixed with a damaged file, a deleted one and a key never stored: each
     result lands at its own index and every hit is exact, whichever thread read it."""
@@ -157,6 +185,42 @@ def test_a_long_batch_shared_by_the_threads_keeps_every_result_in_place(tmp_path
     assert all(torch.equal(out[i], blocks[i if i < 30 else i - 1]) for i in range(len(wanted)) if hits[i])
     assert tier.counters.errors == {"corrupt": 1, "missing": 1}
     run(tier.close())
+
+
+@pytest.mark.parametrize("cold", [False, True])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(position=st.integers(0, PAGE + LAYOUTS[0].nbytes - 1), flip=st.integers(1, 255))
+def test_a_block_read_and_hashed_in_pieces_is_exact_or_a_miss(monkeypatch: pytest.MonkeyPatch, cold: bool,
+                                                              position: int, flip: int) -> None:
+    """With 16 KiB pieces a 64 KiB block is read and hashed in four (from the page cache, or from the
+    disk after the cache dropped it): one damaged byte anywhere in the header or the payload is a
+    miss, counted ``corrupt``; the header page's zero padding is not part of the block."""
+    monkeypatch.setattr(file_module, "READ_CHUNK", 16 * 1024)
+    with tempfile.TemporaryDirectory() as root:
+        tier = make_tier(Path(root))
+        keys = [key(i) for i in range(3)]
+        blocks = [random_block(0, i) for i in range(3)]
+        assert run(tier.put(keys, blocks)) == [True] * 3
+        path = tier.path_of(keys[1])
+        with open(path, "r+b") as f:
+            f.seek(position)
+            byte = f.read(1)[0]
+            f.seek(position)
+            f.write(bytes([byte ^ flip]))
+        if cold:
+            for k in keys:
+                fd = os.open(tier.path_of(k), os.O_RDONLY)
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        out = [torch.zeros_like(b) for b in blocks]
+        hits = run(tier.get(keys, out))
+        damaged = position < file_module.HEADER_SIZE or position >= PAGE
+        assert hits == [True, not damaged, True]
+        assert all(torch.equal(o, b) for o, b, hit in zip(out, blocks, hits, strict=True) if hit)
+        assert tier.counters.errors == ({"corrupt": 1} if damaged else {})
+        assert path.exists() != damaged
+        run(tier.close())
 
 
 async def cancel_get_once_reading(tier: FileTier, keys: list, out: list[torch.Tensor],

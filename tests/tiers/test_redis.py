@@ -215,6 +215,27 @@ def test_tampered_values_miss_and_are_deleted(redis_url: str, namespace: str, ma
     assert torch.equal(out[3], blocks[3])
 
 
+def test_a_flipped_byte_anywhere_in_a_big_block_is_a_miss(redis_url: str, namespace: str,
+                                                           make_tier: MakeTier) -> None:
+    """A flipped payload byte early, in the middle or late in a 1 MiB block is a miss; the clean
+    blocks around it come back exact."""
+    big = BlockLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_size=16)  # 1 MiB
+    tier = make_tier("r", {0: big}, namespace=namespace, url=redis_url)
+    keys, blocks = keys_for(5), kv_like(big, 5, seed=4)
+    assert asyncio.run(tier.put(keys, blocks)) == [True] * 5
+    client = sync_client(redis_url)
+    quarter = 256 * 1024
+    for k, offset in ((0, quarter - 1), (2, 2 * quarter), (4, 3 * quarter + 12345)):
+        good = bytearray(client.get(tier.redis_key(keys[k])))
+        good[HEADER_SIZE + offset] ^= 0x40
+        client.set(tier.redis_key(keys[k]), bytes(good))
+    client.close()
+    out = empty_like_blocks(big, 5)
+    assert asyncio.run(tier.get(keys, out)) == [False, True, False, True, False]
+    assert torch.equal(out[1], blocks[1]) and torch.equal(out[3], blocks[3])
+    assert tier.counters.errors == {"corrupt": 3}
+
+
 def test_long_batches_of_small_blocks_keep_their_places(redis_url: str, namespace: str,
                                                         make_tier: MakeTier) -> None:
     """A long batch shared by the I/O threads: a corrupt value, a short one and a missing key in its

@@ -72,3 +72,25 @@ def test_matches_a_model_and_never_shares_or_loses_a_slot(ops: list[tuple[bool, 
         assert slots.problems() == []
     assert {k: slots.slot(k) for k in slots.keys()} == model
     assert [slots.used(g) for g in (0, 1)] == [sum(1 for m in model if m.group_id == g) for g in (0, 1)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["assign", "release", "slots"]),
+                          st.lists(st.integers(0, 9), max_size=6), st.integers(0, 2)), max_size=30),
+       st.integers(0, 5))
+def test_batch_calls_equal_one_call_per_key(ops: list[tuple[str, list[int], int]], cap: int) -> None:
+    """assign_many / slots_of / release_many give what assign / slot / release give key by key (group 2
+    is unknown: no slots)."""
+    batched, single = SlotAllocator({0: cap, 1: cap}), SlotAllocator({0: cap, 1: cap})
+    for op, ns, group in ops:
+        keys = [key(n, group) for n in ns]
+        if op == "assign":
+            assert batched.assign_many(group, keys) == [single.assign(k) for k in keys]
+        elif op == "slots":
+            assert batched.slots_of(group, keys) == [single.slot(k) for k in keys]
+        else:
+            batched.release_many(keys)
+            for k in keys:
+                single.release(k)
+        assert {k: batched.slot(k) for k in batched.keys()} == {k: single.slot(k) for k in single.keys()}
+        assert batched.problems() == []

@@ -7,7 +7,8 @@ docs/vllm.md has the setup and how vLLM's calls map onto kvtier: keys (vLLM's ``
 lookups that never block, leases, store plans made by the manager, removals, page copies and the
 process model. The modules mirror vLLM's ``kv_offload``: :mod:`.geometry` (versions, engine geometry,
 config merge, keys), :mod:`.runtime` (the engine's cache, staging, index mirror), :mod:`.manager`
-(scheduler side), :mod:`.scheduler_index` (the scheduler's tiers without bytes), :mod:`.worker`
+(scheduler side), :mod:`.single_tier_lru` (its batched path for one LRU CPU tier),
+:mod:`.scheduler_index` (the scheduler's tiers without bytes), :mod:`.worker`
 (worker side), :mod:`.page_mover` (page copies), :mod:`.stage_channel` (the scheduler asks every
 worker process to stage slow-tier blocks), :mod:`.spec` (the vLLM-facing classes, built when vLLM
 asks for them).

@@ -15,11 +15,13 @@ import concurrent.futures
 import time
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from kvtier.blocks import BlockKey
 from kvtier.connectors.vllm.geometry import Lookup
 from kvtier.connectors.vllm.runtime import LOST, STAGED, OffloadRuntime
+from kvtier.connectors.vllm.single_tier_lru import SingleTierLRU
 from kvtier.connectors.vllm.stage_channel import StageClient, StageResult
 from kvtier.metrics import CacheStats
 from kvtier.policy.base import InsertHint
@@ -126,7 +128,8 @@ class KVTierOffloadManager:
         # with the workers in other processes (runtime.index_only): plans to settle at complete_store,
         # pins to drop at complete_load, and blocks a reset dropped that the workers must delete
         self._placed = runtime.index_only
-        self._plans: dict[bytes, tuple[Plan, tuple[BlockKey, ...]]] = {}
+        #: per offload key being stored: its plan, the plan's block keys and their offload keys
+        self._plans: dict[bytes, tuple[Plan, tuple[BlockKey, ...], list[bytes]]] = {}
         self._loading: dict[bytes, list[tuple[BlockKey, int]]] = {}
         self._reset_drops: list[BlockKey] = []
         # slow tiers with the workers in other processes: blocks every rank staged (stage channel)
@@ -136,6 +139,8 @@ class KVTierOffloadManager:
         self._next_expiry = 0.0
         self._events: list[tuple[list[bytes], bool]] | None = [] if enable_events else None
         self.counters = ManagerCounters()
+        #: one memory tier with LRU (the usual setup): plans, settles and touches batched
+        self._fast = SingleTierLRU.of(runtime) if stage is None else None
 
     # --- lookups ------------------------------------------------------------------------------------
     def lookup(self, key: bytes, req_context: Any = None) -> Any:
@@ -270,7 +275,11 @@ class KVTierOffloadManager:
     def touch(self, keys: Sequence[bytes], req_context: Any = None) -> None:
         """Mark the blocks recently used where they are, the first one most recently (as vLLM's LRU does)."""
         loadable, block_key = self._loadable, self._codec.block_key
-        self._core.touch([loadable.get(k) or block_key(k) for k in reversed(keys)])
+        block_keys = [loadable.get(k) or block_key(k) for k in reversed(keys)]
+        if self._fast is not None:
+            self._fast.touch(block_keys)
+        else:
+            self._core.touch(block_keys)
 
     # --- requests -----------------------------------------------------------------------------------
     def on_request_finished(self, req_context: Any = None) -> None:
@@ -278,7 +287,11 @@ class KVTierOffloadManager:
         block most recently — the request-scoped recency of vLLM's own LRU policy."""
         used = self._used.pop(str(getattr(req_context, "req_id", "")), None)
         if used:
-            self._core.touch(used[::-1])
+            used.reverse()
+            if self._fast is not None:
+                self._fast.touch(used)
+            else:
+                self._core.touch(used)
 
     def _record_use(self, req_context: Any, block_keys: Sequence[BlockKey]) -> None:
         req_id = str(getattr(req_context, "req_id", ""))
@@ -299,6 +312,12 @@ class KVTierOffloadManager:
         tries again later. Blocks this plan evicts from every tier are reported by the next
         :meth:`take_removed` — vLLM's ``prepare_store`` reports them in its own output.
         """
+        if self._fast is not None and keys and self._loadable.keys().isdisjoint(keys) and not (
+                self._promised or self._absent or self._fetching or self._reset_drops or self._lost_drops
+                or len(self._staging)):
+            planned = self._plan_store_fast(keys, req_context)
+            if planned is not None:
+                return planned
         chosen: list[bytes] = []
         block_keys: list[BlockKey] = []
         predecessors: list[BlockKey | None] = []
@@ -355,7 +374,7 @@ class KVTierOffloadManager:
                 for t, lost in self._lost_drops:
                     plan.drops[t].append(lost)
                 self._lost_drops = []
-            self._plans.update(dict.fromkeys(chosen, (plan, tuple(block_keys))))
+            self._plans.update(dict.fromkeys(chosen, (plan, tuple(block_keys), chosen)))
         if storing:
             for key in chosen:
                 storing[key] = storing.get(key, 0) + 1
@@ -373,23 +392,54 @@ class KVTierOffloadManager:
         self.counters.stores_prepared += len(chosen)
         return chosen, self._spec_type(keys=tuple(block_keys), plan=plan, placed=self._placed)
 
+    def _plan_store_fast(self, keys: Sequence[bytes],
+                         req_context: Any) -> tuple[list[bytes], BlockTransferSpec] | None:
+        """:meth:`plan_store` of keys none of which a memory tier holds, through :class:`SingleTierLRU`;
+        None when the general path must plan them."""
+        storing = self._storing
+        chosen = [key for key in keys if key not in storing] if storing else list(keys)
+        if not chosen:
+            return [], self._spec_type(keys=())
+        assert self._fast is not None
+        planned = self._fast.plan(chosen)
+        if planned is None:
+            return None
+        block_keys, plan = planned
+        self._record_use(req_context, block_keys)
+        spec_keys = tuple(block_keys)
+        if self._placed:
+            self._plans.update(dict.fromkeys(chosen, (plan, spec_keys, chosen)))
+        storing.update(dict.fromkeys(chosen, 1))  # none was being stored
+        self.counters.stores_prepared += len(chosen)
+        return chosen, self._spec_type(keys=spec_keys, plan=plan, placed=self._placed)
+
     def complete_store(self, keys: Sequence[bytes], req_context: Any = None, success: bool = True) -> None:
         """The workers finished a store job: the blocks are cached, or were refused (a later miss)."""
         if self._placed:  # the workers ran the plan on their tiers: its writes are readable now
-            settled: set[int] = set()
+            entries = list(map(self._plans.pop, keys, repeat(None)))
+            first = entries[0] if entries else None
+            # the usual job: the keys of one plan, stored
+            if not (first is not None and success and self._fast is not None and len(first[2]) == len(keys)
+                    and len(set(map(id, entries))) == 1 and self._fast.settle(*first)):
+                settled: set[int] = set()
+                for entry in entries:
+                    if entry is not None and id(entry[0]) not in settled:
+                        settled.add(id(entry[0]))
+                        self._core.settle(entry[0], entry[1], ok=success)
+        storing = self._storing
+        counts = list(map(storing.pop, keys, repeat(0)))
+        if counts.count(1) == len(counts):  # the usual job: each key stored once, by this job
+            done = list(keys)
+        else:  # put the counts back, then one key at a time (a key twice in the job counts twice)
+            storing.update((key, count) for key, count in zip(keys, counts, strict=True) if count)
+            done = []
+            pop = storing.pop
             for key in keys:
-                entry = self._plans.pop(key, None)
-                if entry is not None and id(entry[0]) not in settled:
-                    settled.add(id(entry[0]))
-                    self._core.settle(entry[0], entry[1], ok=success)
-        storing, done = self._storing, []
-        pop = storing.pop
-        for key in keys:
-            count = pop(key, 0)
-            if count == 1:
-                done.append(key)
-            elif count:
-                storing[key] = count - 1
+                count = pop(key, 0)
+                if count == 1:
+                    done.append(key)
+                elif count:
+                    storing[key] = count - 1
         if self._events is not None and success and done:
             self._events.append((done, False))
 

@@ -173,6 +173,26 @@ class IndexMirror:
             self.removed.extend([key.block_hash[EPOCH_BYTES:] + suffixes[key.group_id]
                                  for key in keys if key.block_hash.startswith(epoch)])
 
+    def stored(self, offload_keys: Sequence[bytes], keys: Sequence[BlockKey]) -> None:
+        """``keys`` (vLLM's ``offload_keys``, in order) became READY in the memory tier: one batched update
+        for a caller that has vLLM's keys at hand (:mod:`.single_tier_lru`); call with the index lock held.
+        Keys of one batch share an epoch."""
+        with self._lock:
+            if keys and keys[0].block_hash.startswith(self.codec.epoch):
+                self.loadable.update(zip(offload_keys, keys, strict=True))
+
+    def evicted(self, keys: Sequence[BlockKey]) -> None:
+        """``keys`` left every tier: :meth:`residency_changed` and :meth:`blocks_removed` in one pass (the
+        offload key is derived once per block); call with the index lock held."""
+        suffixes, pop = self.codec.suffixes, self.loadable.pop
+        with self._lock:
+            epoch = self.codec.epoch
+            gone = [key.block_hash[EPOCH_BYTES:] + suffixes[key.group_id]
+                    for key in keys if key.block_hash.startswith(epoch)]
+            for offload_key in gone:
+                pop(offload_key, None)
+            self.removed.extend(gone)
+
     def new_epoch(self) -> None:
         """Move the codec to a fresh epoch and forget everything mirrored or pending report."""
         with self._lock:
@@ -182,9 +202,9 @@ class IndexMirror:
 
     def take_removed(self) -> list[bytes]:
         """The removals not reported yet (each is returned once)."""
-        removed, out = self.removed, []
-        while removed:
-            out.append(removed.popleft())
+        with self._lock:  # the writers hold it: nothing lands between the copy and the clear
+            out = list(self.removed)
+            self.removed.clear()
         return out
 
 
@@ -366,6 +386,12 @@ class OffloadRuntime:
         try:
             if LOST in sources:
                 return False
+            if STAGED not in sources:  # the usual case: every block pinned in a memory tier
+                # a worker's [n, nbytes] load buffer goes as it is: the cache checks it once for the batch
+                raw = isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.dim() == 2
+                self.core.read_leased(keys, sources, out if raw else self._typed_blocks(keys, out),
+                                      touch=False)
+                return True
             from_tiers = [i for i, source in enumerate(sources) if source >= 0]
             for i, source in enumerate(sources):
                 if source == STAGED:
@@ -500,9 +526,10 @@ class OffloadRuntime:
     def _current_rows(self, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None] | torch.Tensor,
                       placed: bool) -> Sequence[torch.Tensor | None] | torch.Tensor:
         """``rows`` without the blocks of an epoch before a reset (never stored: never served again)."""
-        current = self.codec.current
-        if placed or all(current(key) for key in keys):
+        epoch = self.codec.epoch
+        if placed or all([key.block_hash.startswith(epoch) for key in keys]):  # KeyCodec.current, inlined
             return rows
+        current = self.codec.current
         return [row if current(key) else None for key, row in zip(keys, rows, strict=True)]
 
     async def write(self, plan: Plan | None, keys: Sequence[BlockKey], blocks: Sequence[torch.Tensor | None],

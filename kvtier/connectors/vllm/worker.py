@@ -30,7 +30,7 @@ class _Job:
     is_load: bool
     nbytes: int
     started: float
-    scatters: list[tuple[PageMover, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+    scatters: list[tuple[PageMover, torch.Tensor, np.ndarray, int]] = field(default_factory=list)
     # CUDA: the event after this load's page copies (already enqueued); done once it completed.
     copied: Any = None
 
@@ -39,6 +39,10 @@ def split_by_group(keys: Sequence[BlockKey], block_ids: Any, group_sizes: Sequen
                    num_groups: int) -> list[tuple[list[BlockKey], np.ndarray]]:
     """Per kvtier group: its keys (in order) and its engine block ids (vLLM sends both group-major)."""
     ids = np.asarray(block_ids, dtype=np.int64)
+    if num_groups == 1 and len(group_sizes) <= 1:  # one group (the usual case): no key to sort
+        if group_sizes and group_sizes[0] != len(ids):
+            raise LayoutMismatch(f"transfer names {len(ids)} engine blocks in groups of {list(group_sizes)}")
+        return [(keys if isinstance(keys, list) else list(keys), ids)]
     sizes = list(group_sizes) if group_sizes else [len(ids)]
     if len(sizes) != num_groups or sum(sizes) != len(ids):
         raise LayoutMismatch(f"transfer names {len(ids)} engine blocks in groups of {sizes}; the engine has "
@@ -106,8 +110,7 @@ class KVTierOffloadWorkerCore:
         """Copy the pages of ``dst_spec.keys`` out of the engine now and run the manager's plan
         (``OffloadRuntime.store``)."""
         keys = list(dst_spec.keys)
-        rows: list[torch.Tensor | None] = [None] * len(keys)  # a chunk without its pages: its writes fail
-        order = {key: i for i, key in enumerate(keys)}
+        rows: list[torch.Tensor | None] | None = None  # per key when groups split the batch
         batch: torch.Tensor | None = None
         nbytes = 0
         groups = split_by_group(keys, src_spec.block_ids, getattr(src_spec, "group_sizes", ()),
@@ -122,14 +125,18 @@ class KVTierOffloadWorkerCore:
                                 "null blocks); such chunks are not offloaded", len(group_keys), len(ids))
                 continue
             raw = self.runtime.empty_rows(g, len(group_keys), pinned=self._stream is not None)
-            self.movers[g].gather(torch.from_numpy(ids), raw)
+            self.movers[g].gather(ids, raw)
+            nbytes += raw.numel()
             if len(group_keys) == len(keys):  # one group holds every key, in order: its rows are the batch
                 batch = raw
-            else:
-                for key, row in zip(group_keys, raw, strict=True):
-                    rows[order[key]] = row
-            nbytes += raw.numel()
-        future = self.runtime.store(dst_spec.plan, keys, rows if batch is None else batch,
+                continue
+            if rows is None:  # a chunk without its pages: its writes fail
+                rows = [None] * len(keys)
+                order = {key: i for i, key in enumerate(keys)}
+            for key, row in zip(group_keys, raw, strict=True):
+                rows[order[key]] = row
+        future = self.runtime.store(dst_spec.plan, keys, batch if batch is not None else
+                                    rows if rows is not None else [None] * len(keys),
                                     self._copies_done(), placed=dst_spec.placed)
         self._jobs[job_id] = _Job(future, is_load=False, nbytes=nbytes, started=time.perf_counter())
         return True
@@ -153,7 +160,7 @@ class KVTierOffloadWorkerCore:
                                      f"(skipping {skip}) does not fit")
             raw = self.runtime.empty_rows(g, len(group_keys), pinned=self._stream is not None)
             buffers.append((group_keys, raw))
-            scatters.append((self.movers[g], raw, torch.from_numpy(ids), skip))
+            scatters.append((self.movers[g], raw, ids, skip))
             nbytes += raw.numel()
         read_keys, read_sources, read_into, unread = _reads(keys, sources, buffers)
         if unread and not src_spec.placed:  # a manager in another process releases its own pins

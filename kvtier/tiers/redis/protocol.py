@@ -106,17 +106,23 @@ class Connection:
             for part in parts:
                 self._sock.sendall(part)
             return
+        sent = self._sendmsg(parts)  # a blocking socket usually takes it all at once: no views then
+        if sent == sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts):
+            return
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         while views:
-            try:
-                sent = self._sock.sendmsg(views)
-            except BlockingIOError:
-                raise TimeoutError("the server accepted no data within the timeout") from None
             while views and sent >= views[0].nbytes:
                 sent -= views[0].nbytes
                 views.pop(0)
-            if sent:
+            if views:
                 views[0] = views[0][sent:]
+                sent = self._sendmsg(views)
+
+    def _sendmsg(self, parts: Sequence[bytes | bytearray | memoryview]) -> int:
+        try:
+            return self._sock.sendmsg(parts)
+        except BlockingIOError:
+            raise TimeoutError("the server accepted no data within the timeout") from None
 
     def _recv_into(self, view: memoryview, flags: int = 0) -> int:
         try:

@@ -22,6 +22,7 @@ from kvtier.blocks import BlockKey
 from kvtier.codec import (
     HEADER_SIZE,
     BlockHeader,
+    PayloadChecksum,
     decode_header,
     decode_payload_into,
     encode_block,
@@ -42,6 +43,9 @@ from kvtier.tiers.redis.protocol import (
 log = logging.getLogger(__name__)
 
 _ASKING = command(b"ASKING")
+#: A GET's raw payload is received and hashed in pieces of this size: each is hashed right after it
+#: lands, while it is in the CPU cache, instead of reading the whole block back from memory after.
+_HASH_PIECE = 256 * 1024
 
 
 class Op:
@@ -193,10 +197,26 @@ class GetOp(Op):
             conn.skip(size - HEADER_SIZE + 2)
             self._corrupt(str(exc))
             return
-        payload = self.out.data if not header.compressed else memoryview(bytearray(header.payload_len))
-        conn.read_into(payload)
+        if header.compressed:
+            payload = memoryview(bytearray(header.payload_len))
+            conn.read_into(payload)
+            conn.expect_crlf()
+            self._decode(header, payload)
+            return
+        # a raw payload lands in ``out`` piece by piece, each hashed while it is still in the CPU cache
+        running = PayloadChecksum(self.header_buf, header)
+        out = self.out.data
+        for start in range(0, header.payload_len, _HASH_PIECE):
+            piece = out[start:start + _HASH_PIECE]
+            conn.read_into(piece)
+            running.update(piece)
         conn.expect_crlf()
-        self._decode(header, payload)
+        try:
+            running.verify()
+        except CorruptBlock as exc:
+            self._corrupt(str(exc))
+            return
+        self.ok = True
 
     def _check_header(self, size: int) -> BlockHeader:
         """The one place a value's header is checked: key, layout, namespace, length; raises CorruptBlock."""
@@ -207,6 +227,7 @@ class GetOp(Op):
         return header
 
     def _decode(self, header: BlockHeader, payload: memoryview) -> None:
+        """A compressed payload: verify, then decompress into ``out``."""
         try:
             verify_payload(self.header_buf, header, payload)
             decode_payload_into(header, payload, self.out, self.itemsize)
