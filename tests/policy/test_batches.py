@@ -88,11 +88,16 @@ def _drive(trace: Trace, policy: EvictionPolicy, capacity: int, batched: bool) -
 
 
 @pytest.mark.parametrize("trace,capacity", [(chat(30_000, seed=1), 600), (sessions(30_000, seed=1), 300),
-                                            (zipf(5_000, 20_000, 0.9), 400)],
-                         ids=["chat", "sessions", "zipf"])
+                                            (zipf(5_000, 20_000, 0.9), 400),
+                                            (sessions(30_000, seed=3, users=8, system_blocks=0, in_turn=True),
+                                             300)],
+                         ids=["chat", "sessions", "zipf", "sessions_in_turn"])
 def test_the_default_batched_evicts_what_it_evicts_key_by_key(trace: Trace, capacity: int) -> None:
-    """Long enough to refit the lifetimes many times (and learn them where the workload rewards it)."""
+    """Long enough to refit the lifetimes many times (and learn them where the workload rewards it);
+    sessions that come back in turn make the probation lane choose about half the victims."""
     fast, slow = AdaptiveChainPolicy(), AdaptiveChainPolicy()
     assert _drive(trace, fast, capacity, True) == _drive(trace, slow, capacity, False)
     assert fast.weights == slow.weights and fast.leader == slow.leader
     assert fast.victims(capacity, ()) == slow.victims(capacity, ())
+    assert fast.probation.members == slow.probation.members
+    assert fast.probation.fresh_roots == slow.probation.fresh_roots
