@@ -366,7 +366,7 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
     entries0 = indexes[0].entries
     get0 = entries0.get
     settle0 = indexes[0].settle
-    access0 = indexes[0].policies[0].access  # the replay's keys are all of group 0
+    access_all0 = indexes[0].policies[0].access_all  # the replay's keys are all of group 0
     all_hints = trace.chain_hints()
     tokens = trace.tokens
 
@@ -381,13 +381,15 @@ def replay(trace: Trace, policy: str, capacities: Sequence[int], placement: Plac
                 observe(keys[j], future[base + j])
             base += n
         if num_tiers == 1:
-            # locate_prefix and touch, inlined for one tier: the leading READY run is the prefix hit
+            # locate_prefix and touch, inlined for one tier: the leading READY run is the prefix hit,
+            # touched in one call
             k0 = 0
             for key in keys:
                 if get0(key) != READY:
                     break
-                access0(key)
                 k0 += 1
+            if k0:
+                access_all0(keys if k0 == n else keys[:k0])
             if k0 < n:
                 if k0:
                     prefix_tokens += k0 * block_tokens

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.blocks import BlockKey
-from kvtier.policy import EvictionPolicy, InsertHint, LRUPolicy, make_eviction_policy
+from kvtier.policy import EvictionPolicy, InsertHint, make_eviction_policy
 from kvtier.policy.admission import AdmitAll
 from kvtier.policy.placement import PlacementPolicy
 
@@ -188,6 +188,9 @@ class Residency:
             raise ValueError(f"{len(tiers)} tiers but placement rules for {placement.num_tiers}")
         self.tiers = list(tiers)
         self.placement = placement
+        #: (tier, group) partitions that could not make room during the plan being built: the keys
+        #: added meanwhile are pinned, so no later key of that plan finds room there either.
+        self._full: set[tuple[int, int]] = set()
 
     # --- lookups ---------------------------------------------------------------------------------
     def locate(self, key: BlockKey) -> int | None:
@@ -220,6 +223,7 @@ class Residency:
         is skipped; with write-back the next tier down is tried.
         """
         plan = Plan(len(self.tiers))
+        self._full.clear()
         target = only_tier if only_tier is not None else 0 if len(self.tiers) == 1 else None
         if target is not None and self._plan_batch(target, keys, hints, plan):
             return plan
@@ -254,13 +258,15 @@ class Residency:
 
     def _plan_batch(self, t: int, keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None,
                     plan: Plan) -> bool:
-        """:meth:`plan_store` into one tier in one pass, when that gives the same plan as key by key.
+        """:meth:`plan_store` into one tier in one policy call, when that gives the same plan as key by key.
 
         That is: one group, new distinct keys (none indexed or pinned there), a tier that admits all,
-        has room for all of them after evicting and demotes nothing, and LRU eviction, whose victims do
-        not depend on the (pinned, pending) keys inserted meanwhile. Then the victims are the ``count`` oldest
-        unpinned keys at once, instead of one victim walk per key (an engine's scheduler plans every
-        store here). Returns False, having changed nothing, when the key-by-key path must run.
+        is not over its capacity and demotes nothing. Key by key, the first keys that fit are added,
+        each later one evicts one victim, and once no victim is left no later key can be stored either
+        (the keys added meanwhile are pinned, and only they are added); the policy's
+        :meth:`~kvtier.policy.base.EvictionPolicy.store_new` runs exactly that sequence, with no
+        per-key plan bookkeeping (an engine's scheduler plans every store here). Returns False, having
+        changed nothing, when the key-by-key path must run.
         """
         if not keys or type(self.placement.admission[t]) is not AdmitAll:
             return False
@@ -269,7 +275,7 @@ class Residency:
         index = self.tiers[t]
         group_id = keys[0].group_id
         policy = index.policies.get(group_id)
-        if type(policy) is not LRUPolicy or index.self_evicting or not index.fits(group_id):
+        if policy is None or index.self_evicting or not index.fits(group_id):
             return False
         entries, pins = index.entries, index.pins
         for key in keys:
@@ -278,32 +284,39 @@ class Residency:
         if len(set(keys)) != len(keys):
             return False
         per_block = index.block_bytes[group_id]
-        need = index.used[group_id] + len(keys) * per_block - index.capacity[group_id]
-        count = -(-need // per_block) if need > 0 else 0
-        victims = policy.victims(count, pins) if count else []
-        if len(victims) != count:
-            return False  # not room for all: key by key stores what fits
+        room = index.capacity[group_id] - index.used[group_id]
+        if room < 0:
+            return False  # over capacity (more than one victim per key): key by key
+        pins.update(dict.fromkeys(keys, 1))  # pending and pinned before any victim is chosen
+        stored, victims = policy.store_new(
+            keys, hints if hints is not None else [InsertHint(position=i) for i in range(len(keys))],
+            pins, room // per_block)
+        if stored < len(keys):
+            for key in keys[stored:]:
+                del pins[key]
+            keys = keys[:stored]
+            if hints is not None:
+                hints = hints[:stored]
         stored_hints = index.hints
-        for victim in victims:  # TierIndex.discard, batched
+        for victim in victims:  # TierIndex.discard, batched (the policy has removed them)
             del entries[victim]
             stored_hints.pop(victim, None)
-        policy.remove_all(victims)
         plan.drops[t].extend(victims)
-        # TierIndex.add(ready=False) of each key, batched: pending, pinned, in the policy in order
-        entries.update(dict.fromkeys(keys, PENDING))
-        pins.update(dict.fromkeys(keys, 1))
+        entries.update(dict.fromkeys(keys, PENDING))  # TierIndex.add(ready=False), batched
         if hints is not None:
             stored_hints.update({key: hint for key, hint in zip(keys, hints, strict=True)
                                  if hint.predecessor is not None})
-        policy.insert_new(keys)
-        index.used[group_id] += (len(keys) - count) * per_block
-        plan.writes[t].extend(range(len(keys)))
+        index.used[group_id] += (stored - len(victims)) * per_block
+        plan.writes[t].extend(range(stored))
         return True
 
     def _make_room(self, t: int, group_id: int, plan: Plan) -> bool:
+        if (t, group_id) in self._full:
+            return False  # a victim walk over the same pinned keys would fail again
         index = self.tiers[t]
         victims = index.victims_for(group_id, index.block_bytes[group_id])
         if victims is None:
+            self._full.add((t, group_id))
             return False
         if not victims:
             return True

@@ -5,9 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.policy import EVICTION_POLICIES, InsertHint
 from kvtier.policy.admission import AdmitAll, SecondSighting
 from kvtier.policy.placement import PlacementPolicy
-from kvtier.residency import Residency, TierIndex
+from kvtier.residency import Plan, Residency, TierIndex
 from tests.helpers import make_keys
 
 
@@ -86,41 +87,75 @@ class _AdmitAllKeyByKey(AdmitAll):
     """Admits all like AdmitAll, but is not AdmitAll itself: the residency plans such a tier key by key."""
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.integers(1, 12), st.integers(1, 3),
-       st.lists(st.tuples(st.sampled_from(["store", "pin", "unpin", "touch", "settle"]),
-                          st.lists(st.integers(0, 30), min_size=1, max_size=8)), max_size=40))
-def test_one_pass_store_plans_what_key_by_key_plans(slots: int, group_size: int,
-                                                    ops: list[tuple[str, list[int]]]) -> None:
-    """A single LRU tier plans a store of new keys in one pass: plans, index and order are the key-by-key
-    ones."""
+class _NoFullMemo(Residency):
+    """Asks the policy for victims every time, as if no partition had been found full during a plan."""
+
+    def _make_room(self, t: int, group_id: int, plan: Plan) -> bool:
+        self._full.clear()
+        return super()._make_room(t, group_id, plan)
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["store", "pin", "unpin", "touch", "settle"]),
+                          st.lists(st.integers(0, 30), min_size=1, max_size=8)), max_size=40)
+
+
+def _run_side_by_side(a: Residency, b: Residency, ops: list[tuple[str, list[int]]], group_size: int,
+                      chained: bool) -> None:
+    """Apply ``ops`` to both residencies; plans, indexes and eviction orders must agree after each."""
     keys = make_keys(31)
-    one_pass = Residency([TierIndex("t0", {0: slots * 10 + 5}, {0: 10}, "lru")],
-                         PlacementPolicy([AdmitAll()]))
-    by_key = Residency([TierIndex("t0", {0: slots * 10 + 5}, {0: 10}, "lru")],
-                       PlacementPolicy([_AdmitAllKeyByKey()]))
     pending: list[tuple[object, list]] = []
     for op, ids in ops:
-        chosen = [keys[i] for i in ids]
-        for r in (one_pass, by_key):
-            index = r.tiers[0]
+        chosen = [keys[i] for i in ids][:group_size]
+        hints = ([InsertHint(j, -1, chosen[j - 1] if j else keys[ids[0] - 1] if ids[0] else None)
+                  for j in range(len(chosen))] if chained else None)
+        for r in (a, b):
+            top = r.tiers[0]
             if op == "store":
-                plan = r.plan_store(chosen[:group_size])
-                pending.append((plan, chosen[:group_size]))
+                plan = r.plan_store(chosen, hints)
+                pending.append((plan, chosen))
             elif op == "pin":
-                index.pin(chosen[0])
+                top.pin(chosen[0])
             elif op == "unpin":
-                index.unpin(chosen[0])
-            elif op == "touch" and chosen[0] in index.entries:
+                top.unpin(chosen[0])
+            elif op == "touch" and chosen[0] in top.entries:
                 r.touch(0, chosen[0])
         if op == "store":
-            (plan_a, stored), (plan_b, _) = pending[-2], pending[-1]
-            assert plan_a.writes == plan_b.writes and plan_a.drops == plan_b.drops
-            assert plan_a.skipped == plan_b.skipped
+            (plan_a, _), (plan_b, _) = pending[-2], pending[-1]
+            assert plan_a.writes == plan_b.writes and plan_a.drops == plan_b.drops  # type: ignore[attr-defined]
+            assert plan_a.demotions == plan_b.demotions  # type: ignore[attr-defined]
+            assert plan_a.skipped == plan_b.skipped  # type: ignore[attr-defined]
         if op == "settle" and pending:
-            for r, (plan, stored) in zip((one_pass, by_key), pending[:2], strict=True):
+            for r, (plan, stored) in zip((a, b), pending[:2], strict=True):
                 settle(r, plan, stored)
             del pending[:2]
-        a, b = one_pass.tiers[0], by_key.tiers[0]
-        assert a.entries == b.entries and a.pins == b.pins and a.used == b.used and a.hints == b.hints
-        assert list(a.policies[0].victims(31, ())) == list(b.policies[0].victims(31, ()))
+        for x, y in zip(a.tiers, b.tiers, strict=True):
+            assert x.entries == y.entries and x.pins == y.pins and x.used == y.used and x.hints == y.hints
+            assert list(x.policies[0].victims(31, ())) == list(y.policies[0].victims(31, ()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(EVICTION_POLICIES)), st.integers(1, 12), st.integers(1, 6), st.booleans(), _OPS)
+def test_one_pass_store_plans_what_key_by_key_plans(policy: str, slots: int, group_size: int, chained: bool,
+                                                    ops: list[tuple[str, list[int]]]) -> None:
+    """A single tier plans a store of new keys in one policy call (``store_new``): plans, index and
+    eviction order are the key-by-key ones, for every policy, with and without chain hints."""
+    one_pass = Residency([TierIndex("t0", {0: slots * 10 + 5}, {0: 10}, policy)],
+                         PlacementPolicy([AdmitAll()]))
+    by_key = _NoFullMemo([TierIndex("t0", {0: slots * 10 + 5}, {0: 10}, policy)],
+                         PlacementPolicy([_AdmitAllKeyByKey()]))
+    _run_side_by_side(one_pass, by_key, ops, group_size, chained)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(EVICTION_POLICIES)), st.integers(1, 4), st.integers(1, 6),
+       st.sampled_from(["write_back", "write_through"]), st.booleans(), _OPS)
+def test_a_full_partition_is_not_asked_again_within_a_plan(policy: str, slots: int, group_size: int,
+                                                           write_mode: str, chained: bool,
+                                                           ops: list[tuple[str, list[int]]]) -> None:
+    """Once a partition cannot make room, the rest of the plan skips it without a victim walk: the same
+    plans as asking every time, in two tiers, both write modes."""
+    def make(kind: type[Residency]) -> Residency:
+        tiers = [TierIndex(f"t{t}", {0: (slots + 2 * t) * 10}, {0: 10}, policy) for t in range(2)]
+        return kind(tiers, PlacementPolicy([_AdmitAllKeyByKey(), _AdmitAllKeyByKey()], write_mode=write_mode))
+
+    _run_side_by_side(make(Residency), make(_NoFullMemo), ops, group_size, chained)

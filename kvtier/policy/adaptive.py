@@ -10,7 +10,7 @@ and shows the results.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container
+from collections.abc import Container, Iterable, Sequence
 from zlib import crc32
 
 from kvtier.blocks import BlockKey
@@ -36,7 +36,9 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
     def __init__(self, capacity: int | None = None, *, classes: int = 3, min_gain: float = 0.02) -> None:
         super().__init__(capacity, classes=classes, min_gain=min_gain)
         self.chains = ChainForest()
-        self._inner: dict[BlockKey, int] = {}  # resident blocks with resident successors -> last reference
+        # resident blocks with resident successors; their last reference lives in their record
+        # (``_meta[key][2]``, -1 for every other block), so a hit on one (most hits) changes no dict
+        self._inner: dict[BlockKey, None] = {}
         self._detached: dict[BlockKey, int] = {}  # detached leaves -> last reference
         # leaves that re-entered a class queue out of time order, with a heap of them (stale skipped)
         self._late: list[dict[BlockKey, int]] = [{} for _ in range(classes)]
@@ -96,14 +98,15 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             cls = 0
             if not h >> _SAMPLE_SHIFT:
                 self._refs[0] += 1.0
-        meta[key] = [cls, h]
+        record = meta[key] = [cls, h, -1]
         queue = self._queues[cls]
         queue[key] = t
         if t >= self._next_refit:
             self._refit()
         parent, inner, attached, detached = self.chains.link(key, hint.predecessor, meta)
         if parent is not None and parent not in self._inner:
-            self._inner[parent] = self._from_leaf(parent)
+            self._inner[parent] = None
+            meta[parent][2] = self._from_leaf(parent)
         for k in attached:
             then = self._detached.pop(k, None)
             if then is not None:
@@ -112,7 +115,8 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if k not in self._inner:
                 self._detached[k] = self._from_leaf(k)
         if inner:
-            self._inner[key] = queue.pop(key)
+            self._inner[key] = None
+            record[2] = queue.pop(key)
         elif key in self.chains.detached:
             self._detached[key] = queue.pop(key)
         self.probation.stored(key, hint.predecessor, t, not inner)
@@ -126,19 +130,17 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             return
         t = self._clock = self._clock + 1
         self.probation.touched(key)
-        old, h = meta
+        old, h, then = meta
         cls = meta[0] = old + 1 if old < self._top else old
-        inner = self._inner
-        then = inner.get(key)  # first: most hits are inner blocks of a cached prefix
-        if then is not None:
-            inner[key] = t
+        if then >= 0:  # first: most hits are inner blocks of a cached prefix
+            meta[2] = t
         else:
-            then = self._queues[old].pop(key, None)
-            if then is not None:
+            then = self._queues[old].pop(key, -1)
+            if then >= 0:
                 self._queues[cls][key] = t
             else:
-                then = self._late[old].pop(key, None)
-                if then is not None:
+                then = self._late[old].pop(key, -1)
+                if then >= 0:
                     self._queues[cls][key] = t
                 else:
                     detached = self._detached
@@ -157,13 +159,14 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         meta = self._meta.pop(key, None)
         if meta is None:
             return
-        cls, h = meta
-        then = self._queues[cls].pop(key, None)
-        if then is None:
-            then = self._inner.pop(key, None)
-            if then is None:
-                then = self._late[cls].pop(key, None)
-                if then is None:
+        cls, h, then = meta
+        if then >= 0:
+            del self._inner[key]
+        else:
+            then = self._queues[cls].pop(key, -1)
+            if then < 0:
+                then = self._late[cls].pop(key, -1)
+                if then < 0:
                     then = self._detached.pop(key)
         self._table[h & self._slot_mask] = (then << 20) | ((h >> 16) << 4) | cls  # the ghost entry
         parent, detached = self.chains.unlink(key, self._meta)
@@ -171,11 +174,219 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if k not in self._inner:
                 self._detached[k] = self._from_leaf(k)
         self.probation.left(key)
-        if parent is not None:
-            t = self._inner.pop(parent, None)
-            if t is not None:
-                self._to_leaf(parent, t)
-                self.probation.became_leaf(parent)
+        if parent is not None and parent in self._inner:
+            del self._inner[parent]
+            record = self._meta[parent]
+            t, record[2] = record[2], -1
+            self._to_leaf(parent, t)
+            self.probation.became_leaf(parent)
+
+    # --- batches: the per-key methods above, inlined into one loop (same calls, same order) ---------
+    def access_all(self, keys: Iterable[BlockKey]) -> None:
+        """:meth:`access` of each key in order (a request's prefix hits)."""
+        meta_of = self._meta.get
+        queues, late, detached = self._queues, self._late, self._detached
+        top, hist, refs, reach, next_refit = self._top, self._hist, self._refs, self._reach, self._next_refit
+        # ProbationLane.touched, inlined: a hit ends probation (the lane never replaces these dicts)
+        on_probation, fresh_roots = self.probation.members, self.probation.fresh_roots
+        t = self._clock
+        for key in keys:
+            meta = meta_of(key)
+            if meta is None:
+                continue
+            t += 1
+            if on_probation and on_probation.pop(key, None) is not None:
+                pass
+            elif fresh_roots:
+                fresh_roots.pop(key, None)
+            old, h, then = meta
+            cls = meta[0] = old + 1 if old < top else old
+            if then >= 0:
+                meta[2] = t
+            else:
+                then = queues[old].pop(key, -1)
+                if then >= 0:
+                    queues[cls][key] = t
+                else:
+                    then = late[old].pop(key, -1)
+                    if then >= 0:
+                        queues[cls][key] = t
+                    else:
+                        then = detached[key]
+                        detached[key] = t
+            if not h >> _SAMPLE_SHIFT:
+                d = t - then
+                if d <= reach:
+                    e = d.bit_length() - 1
+                    hist[old][e * _SUB + ((d >> (e - 2)) & 3) if e >= 2 else _bin(d)] += 1.0
+                refs[cls] += 1.0
+            if t >= next_refit:
+                self._clock = t
+                self._refit()  # may resize and replaces the statistics: fetch them again
+                hist, refs, reach, next_refit = self._hist, self._refs, self._reach, self._next_refit
+        self._clock = t
+
+    def store_new(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint], pinned: Container[BlockKey],
+                  free: int) -> tuple[int, list[BlockKey]]:
+        """:meth:`EvictionPolicy.store_new`: per key, :meth:`victims` (one), :meth:`remove` and
+        :meth:`insert` with their usual cases inlined; anything unusual calls the method itself."""
+        out: list[BlockKey] = []
+        meta_of = self._meta
+        queues, late, late_heaps = self._queues, self._late, self._late_heap
+        inner, lane_detached = self._inner, self._detached
+        chains = self.chains
+        pred_of, children, chain_detached = chains.pred, chains.children, chains.detached
+        to_leaf = self._to_leaf
+        top = self._top
+        # the learned state, fetched again after each refit (which may also resize the ghost table)
+        table, slot_mask, reach = self._table, self._slot_mask, self._reach
+        repeat_within, hist, refs, next_refit = self._repeat_within, self._hist, self._refs, self._next_refit
+        weights, learned = self.weights, self._learned
+        probation = self.probation
+        for i, key in enumerate(keys):
+            if i >= free:
+                # --- victims(1, pinned): the probation lane first where it decides, then the leader's
+                # order with its common case inlined
+                victim = None
+                if not lane_detached and probation.applies(len(meta_of)):
+                    victim = probation.victim(pinned, inner)
+                if victim is None and not lane_detached:
+                    now = self._clock + 1
+                    best_score = -1.0
+                    for c, queue in enumerate(queues):
+                        cand = None
+                        for cand, t in queue.items():  # noqa: B007 - t is the front's time
+                            if cand not in pinned:
+                                break
+                        else:
+                            cand = None
+                        lc = late[c]
+                        if lc:
+                            heap = late_heaps[c]
+                            while heap and lc.get(heap[0][1]) != heap[0][0]:
+                                heapq.heappop(heap)
+                            if heap and (cand is None or heap[0][0] < t):
+                                if heap[0][1] in pinned:
+                                    victim = None
+                                    break  # rare: the careful walk
+                                t, cand = heap[0]
+                        if cand is None:
+                            continue
+                        if learned:
+                            if weights[c] == _NEVER_KEEP:
+                                victim = cand
+                                break
+                            score = (now - t) * weights[c]
+                        else:
+                            score = now - t
+                        if score > best_score:
+                            victim, best_score = cand, score
+                if victim is None:  # detached leaves, a pinned late leaf, or no unpinned leaf at all
+                    chosen = self._victims(1, pinned)  # the lane, where it decides, was asked above
+                    if not chosen:
+                        return i, out
+                    victim = chosen[0]
+                out.append(victim)
+                # --- remove(victim), inlined
+                cls, h, then = meta_of.pop(victim)
+                if then >= 0:
+                    del inner[victim]
+                else:
+                    then = queues[cls].pop(victim, -1)
+                    if then < 0:
+                        then = late[cls].pop(victim, -1)
+                        if then < 0:
+                            then = lane_detached.pop(victim)
+                table[h & slot_mask] = (then << 20) | ((h >> 16) << 4) | cls
+                parent = None
+                pred = pred_of.pop(victim, None)  # ChainForest.unlink, inlined
+                if pred is not None:
+                    kids = children[pred]
+                    kids.remove(victim)
+                    if not kids:
+                        del children[pred]
+                        if pred in meta_of:
+                            parent = pred
+                if victim in chain_detached or victim in children:
+                    for k in chains.release(victim):
+                        if k not in inner:
+                            lane_detached[k] = self._from_leaf(k)
+                probation.left(victim)
+                if parent is not None and parent in inner:  # the parent is a leaf now: _to_leaf, inlined
+                    del inner[parent]
+                    record = meta_of[parent]
+                    then, record[2] = record[2], -1
+                    if parent in chain_detached:
+                        lane_detached[parent] = then
+                    else:
+                        queue = queues[record[0]]
+                        if not queue or then >= queue[next(reversed(queue))]:
+                            queue[parent] = then
+                        elif then <= queue[next(iter(queue))]:  # the usual case: older than its successors
+                            queue[parent] = then
+                            queue.move_to_end(parent, last=False)
+                        else:
+                            late[record[0]][parent] = then
+                            heapq.heappush(late_heaps[record[0]], (then, parent))
+                    probation.became_leaf(parent)
+            # --- insert(key, hints[i]), inlined (keys are new)
+            hint_pred = hints[i].predecessor
+            h = crc32(*key)
+            t = self._clock = self._clock + 1
+            entry = table[h & slot_mask]
+            if entry and (entry >> 4) & 0xFFFF == h >> 16 and t - (entry >> 20) <= reach:
+                old = entry & 15
+                cls = old + 1 if old < top and t - (entry >> 20) <= repeat_within else old
+                if not h >> _SAMPLE_SHIFT:
+                    hist[old][_bin(t - (entry >> 20))] += 1.0
+                    refs[cls] += 1.0
+            else:
+                cls = 0
+                if not h >> _SAMPLE_SHIFT:
+                    refs[0] += 1.0
+            record = meta_of[key] = [cls, h, -1]
+            queue = queues[cls]
+            queue[key] = t
+            if t >= next_refit:
+                self._refit()
+                table, slot_mask, reach = self._table, self._slot_mask, self._reach
+                repeat_within, hist, refs = self._repeat_within, self._hist, self._refs
+                next_refit, weights, learned = self._next_refit, self.weights, self._learned
+            parent = None
+            if hint_pred is not None and hint_pred != key:  # ChainForest.link, inlined
+                pred_of[key] = hint_pred
+                siblings = children.get(hint_pred)
+                if siblings is None:
+                    children[hint_pred] = [key]
+                    if hint_pred in meta_of:
+                        parent = hint_pred
+                else:
+                    siblings.append(key)
+                if hint_pred in chain_detached:
+                    chain_detached.add(key)
+            if parent is not None and parent not in inner:
+                inner[parent] = None
+                parent_record = meta_of[parent]
+                then = queues[parent_record[0]].pop(parent, -1)
+                parent_record[2] = then if then >= 0 else self._from_leaf(parent)
+            if key in children:
+                is_inner, attached, newly_detached = chains.adopt(key, hint_pred, meta_of)
+                for k in attached:
+                    then = lane_detached.pop(k, -1)
+                    if then >= 0:
+                        to_leaf(k, then)
+                for k in newly_detached:
+                    if k not in inner:
+                        lane_detached[k] = self._from_leaf(k)
+                if is_inner:
+                    inner[key] = None
+                    record[2] = queue.pop(key)
+                    probation.stored(key, hint_pred, t, False)
+                    continue
+            if key in chain_detached:
+                lane_detached[key] = queue.pop(key)
+            probation.stored(key, hint_pred, t, True)
+        return len(keys), out
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
         out: list[BlockKey] = []
@@ -232,9 +443,13 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             else:
                 if best is not None:
                     return [best]
-        if self._detached and take_unpinned(sorted(self._detached, key=self._detached.__getitem__),
-                                            pinned, count, out):
-            return out
+        if self._detached:
+            if count == 1:  # the oldest unpinned one: what the sorted walk below takes, in one pass
+                oldest = _oldest_unpinned(self._detached.items(), pinned)
+                if oldest is not None:
+                    return [oldest]
+            elif take_unpinned(sorted(self._detached, key=self._detached.__getitem__), pinned, count, out):
+                return out
         skip: Container[BlockKey] = pinned
         while len(out) < count:
             fronts = self._fronts(skip)
@@ -245,7 +460,13 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if len(out) < count:
                 skip = _Union(pinned, out)
         if len(out) < count and self._inner:  # every leaf is pinned: inner blocks, least recently used first
-            take_unpinned(sorted(self._inner, key=self._inner.__getitem__), pinned, count, out)
+            meta = self._meta
+            if count == 1:
+                oldest = _oldest_unpinned(((k, meta[k][2]) for k in self._inner), pinned)
+                if oldest is not None:
+                    out.append(oldest)
+            else:
+                take_unpinned(sorted(self._inner, key=lambda k: meta[k][2]), pinned, count, out)
         return out
 
     def _overstay(self, front: tuple[int, BlockKey, int]) -> float:
@@ -275,6 +496,16 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if best is not None:
                 fronts.append(best)
         return fronts
+
+
+def _oldest_unpinned(timed: Iterable[tuple[BlockKey, int]], pinned: Container[BlockKey]) -> BlockKey | None:
+    """The key of least time among ``(key, last reference)`` pairs not in ``pinned`` (times are distinct)."""
+    best: BlockKey | None = None
+    best_t = 0
+    for key, t in timed:
+        if (best is None or t < best_t) and key not in pinned:
+            best, best_t = key, t
+    return best
 
 
 class _Union:

@@ -9,7 +9,7 @@ store is using — are passed in and must never be returned.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 from typing import NamedTuple
 
 from kvtier.blocks import BlockKey
@@ -68,6 +68,34 @@ class EvictionPolicy(ABC):
 
     def miss(self, key: BlockKey) -> None:  # noqa: B027 - optional hook, most policies ignore misses
         """A lookup for a key this partition does not hold (ghost-list policies learn from it)."""
+
+    def store_new(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint], pinned: Container[BlockKey],
+                  free: int) -> tuple[int, list[BlockKey]]:
+        """Insert ``keys`` (distinct, none tracked) in order as a tier stores them one by one.
+
+        The first ``free`` go in as they are; each later one first evicts ``victims(1, pinned)``
+        (removed at once), and the first key no victim can be found for ends the batch. Returns how
+        many keys went in and the victims, in order. ``pinned`` must already hold every key of
+        ``keys`` (they are pending writes). Exactly that sequence of :meth:`victims`, :meth:`remove`
+        and :meth:`insert` calls; a policy overrides it only to do the same in fewer Python calls
+        (:meth:`kvtier.residency.Residency.plan_store` batches a store through it).
+        """
+        out: list[BlockKey] = []
+        for i, key in enumerate(keys):
+            if i >= free:
+                victim = self.victims(1, pinned)
+                if not victim:
+                    return i, out
+                self.remove(victim[0])
+                out.append(victim[0])
+            self.insert(key, hints[i])
+        return len(keys), out
+
+    def access_all(self, keys: Iterable[BlockKey]) -> None:
+        """:meth:`access` of each key in order (a request's prefix hits), in one call."""
+        access = self.access
+        for key in keys:
+            access(key)
 
 
 def take_unpinned(order: Iterable[BlockKey], pinned: Container[BlockKey], count: int,

@@ -53,19 +53,27 @@ class ChainForest:
                 kids.append(key)
             if pred in self.detached:
                 self.detached.add(key)
+        if key not in self.children:
+            return parent, False, _NONE, _NONE  # the usual case: a new tail
+        return (parent, *self.adopt(key, pred, resident))
+
+    def adopt(self, key: BlockKey, pred: BlockKey | None, resident: Container[BlockKey]) -> tuple[
+            bool, Sequence[BlockKey], Sequence[BlockKey]]:
+        """The end of :meth:`link` for a ``key`` whose successors arrived first (callers that inline the
+        usual case call it when ``key in children``): ``(inner, attached, detached)`` as there."""
         kids = self.children.get(key)
         if kids and pred is not None and pred in resident:
             self._break_cycles(key, kids, resident)
             kids = self.children.get(key)
         if not kids:
-            return parent, False, _NONE, _NONE  # the usual case: a new tail
+            return False, _NONE, _NONE
         if key not in self.detached:
             attached = [k for k in self.subtree(kids) if k in self.detached]
             self.detached.difference_update(attached)
-            return parent, True, attached, _NONE
+            return True, attached, _NONE
         detached = [k for k in self.subtree(kids) if k not in self.detached]
         self.detached.update(detached)
-        return parent, True, _NONE, detached
+        return True, _NONE, detached
 
     def unlink(self, key: BlockKey,
                resident: Container[BlockKey]) -> tuple[BlockKey | None, Sequence[BlockKey]]:
@@ -83,15 +91,21 @@ class ChainForest:
                 del self.children[pred]
                 if pred in resident:
                     parent = pred
-        successors = self.children.get(key)
+        return parent, self.release(key)
+
+    def release(self, key: BlockKey) -> Sequence[BlockKey]:
+        """The end of :meth:`unlink`: the resident keys the departure of ``key`` newly detaches (callers
+        that inline the usual case, a leaf that was not detached, call it when ``key`` is detached or
+        has successors)."""
         if key in self.detached:
             self.detached.discard(key)
-            return parent, _NONE
+            return _NONE
+        successors = self.children.get(key)
         if not successors:
-            return parent, _NONE  # the usual case: a leaf left
+            return _NONE  # the usual case: a leaf left
         detached = [k for k in self.subtree(successors) if k not in self.detached]
         self.detached.update(detached)
-        return parent, detached
+        return detached
 
     def _break_cycles(self, key: BlockKey, kids: list[BlockKey], resident: Container[BlockKey]) -> None:
         """Successors that arrived before ``key`` and are also its ancestors (bad data: a cycle) lose

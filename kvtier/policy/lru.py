@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 from itertools import islice
 
 from kvtier.blocks import BlockKey
@@ -38,7 +38,8 @@ class LRUPolicy(EvictionPolicy):
         self._order.update(dict.fromkeys(keys))
 
     def access_all(self, keys: Iterable[BlockKey]) -> None:
-        """:meth:`access` of each key, in order, in one call (a finished request's blocks)."""
+        """:meth:`access` of each key, in order, in one call (a request's prefix hits, a finished
+        request's blocks)."""
         order = self._order
         move = order.move_to_end
         for key in keys:
@@ -50,6 +51,20 @@ class LRUPolicy(EvictionPolicy):
         pop = self._order.pop
         for key in keys:
             pop(key, None)
+
+    def store_new(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint], pinned: Container[BlockKey],
+                  free: int) -> tuple[int, list[BlockKey]]:
+        """The base class's key-by-key store with all victims taken at once: the keys inserted are
+        pinned and the newest, so no victim walk would return them and the victims are simply the
+        oldest unpinned keys."""
+        count = len(keys) - free
+        victims = self.victims(count, pinned) if count > 0 else []
+        stored = min(len(keys), free + len(victims))
+        pop = self._order.pop
+        for key in victims:
+            pop(key)
+        self._order.update(dict.fromkeys(keys[:stored] if stored < len(keys) else keys))
+        return stored, victims
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
         if count == 1:  # the common case: the oldest unpinned key
