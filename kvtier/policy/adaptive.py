@@ -17,7 +17,7 @@ from kvtier.blocks import BlockKey
 from kvtier.policy.base import InsertHint, take_unpinned
 from kvtier.policy.chains import ChainForest
 from kvtier.policy.lifetime import _NEVER_KEEP, _SAMPLE_SHIFT, _SUB, LearnedLifetimePolicy, _bin
-from kvtier.policy.probation import ProbationLane
+from kvtier.policy.probation import Excluding, ProbationLane
 
 
 def _last_reference(front: tuple[int, BlockKey, int]) -> int:
@@ -393,13 +393,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         if count <= 0:
             return out
         if not self._detached and self.probation.applies(len(self._meta)):
-            skip: Container[BlockKey] = pinned
-            while len(out) < count:
-                key = self.probation.victim(skip, self._inner)
-                if key is None:
-                    break
-                out.append(key)
-                skip = _Union(pinned, out)
+            out, skip = self.probation.take(count, pinned, self._inner)
             if len(out) == count:
                 return out
             if out:
@@ -458,7 +452,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             victim = max(fronts, key=self._overstay) if self._learned else min(fronts, key=_last_reference)
             out.append(victim[1])
             if len(out) < count:
-                skip = _Union(pinned, out)
+                skip = Excluding(pinned, out)
         if len(out) < count and self._inner:  # every leaf is pinned: inner blocks, least recently used first
             meta = self._meta
             if count == 1:
@@ -506,15 +500,3 @@ def _oldest_unpinned(timed: Iterable[tuple[BlockKey, int]], pinned: Container[Bl
         if (best is None or t < best_t) and key not in pinned:
             best, best_t = key, t
     return best
-
-
-class _Union:
-    """``pinned`` plus the victims already chosen, as one container."""
-
-    __slots__ = ("a", "b")
-
-    def __init__(self, a: Container[BlockKey], b: list[BlockKey]) -> None:
-        self.a, self.b = a, set(b)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.a or key in self.b

@@ -78,6 +78,20 @@ class ProbationLane:
         """Whether the lane decides now: the protected blocks hold at most their share of ``resident``."""
         return bool(self.members) and resident - len(self.members) <= PROTECTED_SHARE * resident
 
+    def take(self, count: int, pinned: Container[BlockKey],
+             inner: Container[BlockKey]) -> tuple[list[BlockKey], Container[BlockKey]]:
+        """Up to ``count`` victims of the lane (:meth:`victim`, repeatedly), and ``pinned`` plus them:
+        what the owner's own order must skip for the rest."""
+        out: list[BlockKey] = []
+        skip: Container[BlockKey] = pinned
+        while len(out) < count:
+            key = self.victim(skip, inner)
+            if key is None:
+                break
+            out.append(key)
+            skip = Excluding(pinned, out)
+        return out, skip
+
     def victim(self, pinned: Container[BlockKey], inner: Container[BlockKey]) -> BlockKey | None:
         """The newest probation leaf (not in ``inner``) outside ``pinned``; changes no order."""
         heap, members = self._heap, self.members
@@ -132,24 +146,17 @@ class LeafProbationPolicy(LeafLRUPolicy):
             self.probation.became_leaf(pred)
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
-        out: list[BlockKey] = []
         if count <= 0:
-            return out
+            return []
         if not self._detached and self.probation.applies(len(self._time)):
-            skip: Container[BlockKey] = pinned
-            while len(out) < count:
-                key = self.probation.victim(skip, self._inner)
-                if key is None:
-                    break
-                out.append(key)
-                skip = _Union(pinned, out)
+            out, skip = self.probation.take(count, pinned, self._inner)
             if len(out) < count:
                 out.extend(super().victims(count - len(out), skip))
             return out
         return super().victims(count, pinned)
 
 
-class _Union:
+class Excluding:
     """``pinned`` plus the victims already chosen, as one container."""
 
     __slots__ = ("a", "b")
