@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
@@ -223,10 +224,11 @@ def test_a_block_read_and_hashed_in_pieces_is_exact_or_a_miss(monkeypatch: pytes
         run(tier.close())
 
 
-async def cancel_get_once_reading(tier: FileTier, keys: list, out: list[torch.Tensor],
-                                  started: threading.Event, release: threading.Event) -> None:
-    """Cancel ``tier.get(keys, out)`` once a read has started, then let the blocked read finish."""
-    task = asyncio.ensure_future(tier.get(keys, out))
+async def cancel_once_started(call: Awaitable[object], started: threading.Event,
+                              release: threading.Event) -> None:
+    """Cancel ``call`` once its I/O has ``started``, then ``release`` the blocked I/O and expect the
+    cancellation."""
+    task = asyncio.ensure_future(call)
     await asyncio.to_thread(started.wait, 10)
     task.cancel()
     await asyncio.sleep(0.05)
@@ -257,7 +259,7 @@ def test_a_cancelled_get_takes_no_further_blocks_and_leaves_buffers_alone(
     monkeypatch.setattr(os, "preadv", slow_preadv)
     out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
 
-    run(cancel_get_once_reading(tier, keys, out, started, release))
+    run(cancel_once_started(tier.get(keys, out), started, release))
     read_then = len(reads)
     snapshot = [o.clone() for o in out]
     threading.Event().wait(0.2)
@@ -335,7 +337,7 @@ def test_a_cancelled_get_reads_none_of_its_put_off_blocks(tmp_path: Path,
     monkeypatch.setattr(os, "preadv", nowait_fails)
     out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
 
-    run(cancel_get_once_reading(tier, keys, out, started, release))
+    run(cancel_once_started(tier.get(keys, out), started, release))
     read_then = len(waited)
     snapshot = [o.clone() for o in out]
     threading.Event().wait(0.2)
@@ -769,16 +771,7 @@ def test_a_cancelled_synced_put_finishes_the_writes_it_started(tmp_path: Path,
     n = 12
     keys = [key(i) for i in range(n)]
 
-    async def cancel_while_waiting() -> None:
-        task = asyncio.ensure_future(tier.put(keys, [random_block(0, i) for i in range(n)]))
-        await asyncio.to_thread(waiting.wait, 10)
-        task.cancel()
-        await asyncio.sleep(0.05)
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    run(cancel_while_waiting())
+    run(cancel_once_started(tier.put(keys, [random_block(0, i) for i in range(n)]), waiting, release))
     on_disk = files_under(tier.directory)
     assert not any(name.endswith(".tmp") for name in on_disk)
     assert on_disk == {tier.path_of(k).name for k in tier.keys()}
