@@ -109,13 +109,9 @@ class CpuTier(Tier):
         ok = [False] * len(keys)
         for group_id, idx in _by_group(keys).items():
             slab = self._slabs[group_id]
-            slots: list[int] = []
-            placed: list[int] = []
-            for i in idx:
-                slot = self._slots.assign(keys[i])
-                if slot is not None:
-                    slots.append(slot)
-                    placed.append(i)
+            assigned = self._slots.assign_many(group_id, [keys[i] for i in idx])
+            placed = [i for i, slot in zip(idx, assigned, strict=True) if slot is not None]
+            slots = [slot for slot in assigned if slot is not None]
             _copy_rows([blocks[i] for i in placed], slab.tensor, slots, into_slab=True)
             for i in placed:
                 ok[i] = True
@@ -169,7 +165,7 @@ class CpuTier(Tier):
         ok = [False] * len(keys)
         for group_id, idx in _by_group(keys).items():
             slab = self._slabs[group_id]
-            slots = [self._slots.slot(keys[i]) for i in idx]
+            slots = self._slots.slots_of(group_id, [keys[i] for i in idx])
             hits = [i for i, slot in zip(idx, slots, strict=True) if slot is not None]
             _copy_rows([out[i] for i in hits], slab.tensor, [slot for slot in slots if slot is not None],
                        into_slab=False)
@@ -184,8 +180,7 @@ class CpuTier(Tier):
         """:meth:`get` into a checked ``[n, nbytes]`` batch of one group: one copy when every key hits."""
         start = time.perf_counter()
         slab = self._slabs[keys[0].group_id]
-        slot_of = self._slots.slot
-        slots = [slot_of(key) for key in keys]
+        slots = self._slots.slots_of(keys[0].group_id, keys)
         if None in slots:  # some misses: copy the hits' rows (their rows of ``rows`` are views)
             hits = [i for i, slot in enumerate(slots) if slot is not None]
             _copy_rows([rows[i] for i in hits], slab.tensor, [cast("int", slots[i]) for i in hits],
