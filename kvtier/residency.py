@@ -11,6 +11,7 @@ Entry states: ``PENDING`` (space reserved, bytes in flight: invisible to lookups
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -94,6 +95,14 @@ class TierIndex:
         if self.self_evicting:
             return
         entries, pins = self.entries, self.pins
+        count = len(keys)
+        if ok and count and list(map(pins.get, keys)).count(1) == count and len(
+                distinct := set(keys)) == count and entries.keys() >= distinct:
+            # the usual batch (distinct keys, each indexed and pinned once: a store's pending writes):
+            # unpinned and READY in two C-level passes
+            deque(map(pins.__delitem__, keys), maxlen=0)
+            entries.update(dict.fromkeys(keys, READY))
+            return
         for key in keys:
             if key not in entries:
                 continue

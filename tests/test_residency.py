@@ -159,3 +159,37 @@ def test_a_full_partition_is_not_asked_again_within_a_plan(policy: str, slots: i
         return kind(tiers, PlacementPolicy([_AdmitAllKeyByKey(), _AdmitAllKeyByKey()], write_mode=write_mode))
 
     _run_side_by_side(make(Residency), make(_NoFullMemo), ops, group_size, chained)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "pin", "settle_ok", "settle_fail"]),
+                          st.lists(st.integers(0, 7), max_size=6)), max_size=25))
+def test_settle_many_equals_settle_of_each_key(ops: list[tuple[str, list[int]]]) -> None:
+    """TierIndex.settle_many (whose usual batch takes a path without Python per key) leaves what one
+    settle per key leaves: entries, pins, bytes used and the policy's order."""
+    from kvtier.blocks import BlockKey
+
+    def key(n: int) -> BlockKey:
+        return BlockKey(n.to_bytes(4, "little"), 0)
+
+    batched, single = (TierIndex(f"t{i}", {0: 1000}, {0: 10}, "lru") for i in range(2))
+    for op, ns in ops:
+        keys = [key(n) for n in ns]
+        if op == "add":
+            for index in (batched, single):
+                for k in keys:
+                    if k not in index.entries:
+                        index.add(k, InsertHint(), ready=False)
+        elif op == "pin":
+            for index in (batched, single):
+                for k in keys:
+                    index.pin(k)
+        else:
+            ok = op == "settle_ok"
+            batched.settle_many(keys, ok)
+            for k in keys:
+                single.settle(k, ok)
+        assert batched.entries == single.entries
+        assert batched.pins == single.pins
+        assert batched.used == single.used
+        assert batched.policies[0].victims(8, {}) == single.policies[0].victims(8, {})

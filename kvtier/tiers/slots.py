@@ -9,6 +9,8 @@ a ``put``, and a full group simply refuses new keys.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
+from typing import cast
 
 from kvtier.blocks import BlockKey
 
@@ -73,11 +75,25 @@ class SlotAllocator:
         return slot
 
     def assign_many(self, group_id: int, keys: Sequence[BlockKey]) -> list[int | None]:
-        """:meth:`assign` of each of ``keys``, all of group ``group_id`` (one call for a store's batch)."""
+        """:meth:`assign` of each of ``keys``, all of group ``group_id`` (one call for a store's batch).
+
+        The usual batch (distinct keys, none holding a slot, room for all) takes the top of the free
+        list in one slice and maps the keys in one ``dict.update``: no Python per key.
+        """
         group = self._groups.get(group_id)
         if group is None:
             return [None] * len(keys)
         slot_of, free = group.slot_of, group.free
+        count = len(keys)
+        if count <= len(free) and (not slot_of or slot_of.keys().isdisjoint(keys)) \
+                and len(set(keys)) == count:
+            # what popping the free list once per key hands out: its last ``count`` slots, last first
+            start = len(free) - count
+            taken = free[start:]
+            taken.reverse()
+            del free[start:]
+            slot_of.update(zip(keys, taken, strict=True))
+            return cast("list[int | None]", taken)  # no copy: list is invariant
         slots: list[int | None] = []
         append = slots.append
         for key in keys:
@@ -98,14 +114,23 @@ class SlotAllocator:
         return list(map(group.slot_of.get, keys))
 
     def release_many(self, keys: Iterable[BlockKey]) -> None:
-        """:meth:`release` of each key (one call for a batch of evictions)."""
-        groups = self._groups
-        for key in keys:
-            group = groups.get(key.group_id)
-            if group is not None:
-                slot = group.slot_of.pop(key, None)
-                if slot is not None:
-                    group.free.append(slot)
+        """:meth:`release` of each key (one call for a batch of evictions).
+
+        Per group, the keys' slots are popped with one ``map`` and pushed on the free list in key order,
+        as one :meth:`release` per key would (a key of another group is in no other group's map).
+        """
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        if not keys:
+            return
+        for group in self._groups.values():
+            slot_of = group.slot_of
+            if not slot_of:
+                continue
+            slots = list(map(slot_of.pop, keys, repeat(None)))
+            if None in slots:
+                group.free.extend([slot for slot in slots if slot is not None])
+            else:
+                group.free.extend(slots)  # type: ignore[arg-type]  # none of them is None
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, BlockKey):

@@ -13,6 +13,7 @@ returns None and the manager takes the general path, so the two never disagree
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, cast
@@ -120,8 +121,8 @@ class SingleTierLRU:
             if core._watchers != self._watchers or list(map(pins.get, block_keys)).count(1) != count or (
                     list(map(entries.get, block_keys)).count(PENDING) != count):
                 return False
-            for key in block_keys:  # TierIndex.settle_many(ok=True), batched: unpinned and READY
-                del pins[key]
+            # TierIndex.settle_many(ok=True), batched: unpinned and READY
+            deque(map(pins.__delitem__, block_keys), maxlen=0)
             entries.update(dict.fromkeys(block_keys, READY))
             activity = self._activity
             activity.evictions += len(plan.drops[0])
