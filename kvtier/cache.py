@@ -44,7 +44,7 @@ from kvtier.policy.admission import AdmitAll
 from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import RowBatch, aligned_empty, as_rows
-from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.cpu import CpuTier, SlotFill, SlotRead
 
 if TYPE_CHECKING:
     from kvtier.prometheus import MetricsServer
@@ -475,6 +475,29 @@ class AsyncTieredCache:
         batch = self._row_batch(keys, rows) if isinstance(rows, torch.Tensor) else None
         if batch is None:
             self._check_rows(keys, rows)
+        return self._execute_inline(plan, keys, rows, batch, None)
+
+    def execute_with(self, plan: Plan, keys: Sequence[BlockKey], fill: BlockFill) -> int | None:
+        """:meth:`execute_now` whose blocks ``fill`` writes straight into the CPU tiers' slots, with no
+        buffer between (an engine's worker gathering its pages into the slab rows).
+
+        ``fill(slab, slots, idx)``: write the blocks of ``keys[i] for i in idx`` (every key, in order,
+        when ``idx`` is None) into rows ``slots`` of ``slab``, a CPU tier's ``[num_slots, nbytes]`` uint8
+        slab (:meth:`CpuTier.put_with`); it may be called once per tier the plan writes. None (nothing
+        done) where :meth:`execute_now` would return None, or when ``keys`` are not of one group.
+        """
+        if not keys:
+            return None
+        group_id = getattr(keys[0], "group_id", None)
+        if type(group_id) is not int or group_id not in self._block_bytes or not all(
+                [isinstance(key, BlockKey) and key.group_id == group_id for key in keys]):
+            return None
+        return self._execute_inline(plan, keys, None, None, fill)
+
+    def _execute_inline(self, plan: Plan, keys: Sequence[BlockKey],
+                        rows: Sequence[torch.Tensor | None] | torch.Tensor | None, batch: torch.Tensor | None,
+                        fill: BlockFill | None) -> int | None:
+        """:meth:`execute_now` (``rows``, or their checked ``batch``) or :meth:`execute_with` (``fill``)."""
         with self._index_lock:
             self._check_open()
             if not self._inline or not self._started or self._operations or any(
@@ -492,10 +515,14 @@ class AsyncTieredCache:
                 if not idx:
                     continue
                 written = [keys[i] for i in idx]
-                if batch is not None:  # every row is there, checked: the tier copies the batch in one call
+                if fill is not None:  # the tier hands its slots to the caller's fill: no buffer between
+                    oks = self._io_now(t, "put", written, _fill_of(fill, idx, len(keys)),
+                                       call=cast("CpuTier", self.tiers[t]).put_with)
+                elif batch is not None:  # every row is there, checked: the tier copies the batch in one call
                     oks = self._io_now(t, "put", written, _take_rows(batch, idx),
                                        call=cast("CpuTier", self.tiers[t]).put_rows)
                 else:
+                    assert rows is not None
                     present = [i for i in idx if rows[i] is not None]
                     done = dict(zip(present, self._io_now(t, "put", [keys[i] for i in present],
                                                           [rows[i] for i in present]), strict=True))
@@ -752,6 +779,43 @@ class AsyncTieredCache:
         finally:
             with self._index_lock:
                 self._leased_reads -= 1
+
+    def read_leased_with(self, keys: Sequence[BlockKey], where: Sequence[int], read: SlotRead, *,
+                         touch: bool = True) -> bool:
+        """:meth:`read_leased` where ``read(slab, slots)`` copies the blocks out of their slots itself (into
+        an engine's pages, with no buffer between; :meth:`CpuTier.get_with`).
+
+        Only for keys of one group that one CPU tier holds (the usual load): False, nothing done, for any
+        other (then :meth:`read_leased`). Raises ``ValueError`` for a key not pinned READY there, as
+        :meth:`read_leased` does. The pins stay: :meth:`release` them after.
+        """
+        if not keys or len(where) != len(keys):
+            return False
+        first = where[0]
+        tier = self.tiers[first] if type(first) is int and 0 <= first < len(self.tiers) else None
+        group_id = keys[0].group_id
+        if type(tier) is not CpuTier or where.count(first) != len(where) or not all(
+                [key.group_id == group_id for key in keys]):
+            return False
+        index = self.residency.tiers[first]
+        with self._index_lock:
+            self._check_open()
+            pins, entries = index.pins, index.entries
+            if not pins.keys() >= set(keys) or list(map(entries.get, keys)).count(READY) != len(keys):
+                bad = next(key for key in keys if key not in pins or entries.get(key) != READY)
+                raise ValueError(f"{bad} is not leased in memory tier {tier.name}")
+            self._leased_reads += 1
+        try:
+            start = time.perf_counter()
+            tier.get_with(keys, read)
+            nbytes = len(keys) * self._block_bytes[group_id]
+            self._count_memory_read(first, list(range(len(keys))), keys, nbytes, time.perf_counter() - start,
+                                    touch=touch, misses_above=True)
+            self._count_load(len(keys))
+        finally:
+            with self._index_lock:
+                self._leased_reads -= 1
+        return True
 
     def _copy_leased(self, keys: Sequence[BlockKey], batch: torch.Tensor | None,
                      buffers: Sequence[torch.Tensor] | None, by_tier: dict[int, list[int]],
@@ -1145,6 +1209,24 @@ class AsyncTieredCache:
         except Exception as exc:
             tier.counters.error(type(exc).__name__)
             log.warning("tier %s: delete of %d blocks failed: %r", tier.name, len(keys), exc)
+
+
+#: ``fill(slab, slots, idx)`` of :meth:`AsyncTieredCache.execute_with`
+BlockFill = Callable[[torch.Tensor, list[int], "list[int] | None"], None]
+
+
+def _fill_of(fill: BlockFill, idx: list[int], count: int) -> SlotFill:
+    """A tier's :data:`SlotFill` for the plan's writes ``idx`` of ``count`` keys: its positions mapped back
+    to the keys' indexes (None: every key, in order)."""
+    every = len(idx) == count and idx == list(range(count))
+
+    def tier_fill(slab: torch.Tensor, slots: list[int], placed: list[int] | None) -> None:
+        if placed is None:
+            fill(slab, slots, None if every else idx)
+        else:
+            fill(slab, slots, placed if every else [idx[p] for p in placed])
+
+    return tier_fill
 
 
 def _take_rows(rows: torch.Tensor, idx: list[int]) -> torch.Tensor:

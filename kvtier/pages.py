@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import LayoutMismatch, TierUnavailable
+from kvtier.tiers.buffers import strided_rows
 
 __all__ = ["BlockIds", "CudaPageMover", "PageMover", "Region", "page_mover", "transfer_stream"]
 
@@ -216,6 +217,65 @@ class PageMover:
                 taken = ids[first::bpc]
                 src = pages[chunk:chunk + taken.numel(), within].to(self.device)
                 _as_words(rows, word).index_copy_(0, taken, _as_words(src, word))
+
+    def gather_rows(self, block_ids: BlockIds, slab: torch.Tensor, slots: Sequence[int]) -> None:
+        """:meth:`gather` of engine blocks ``block_ids`` (``len(slots) × blocks_per_chunk`` of them) straight
+        into rows ``slots`` of ``slab`` (a ``[m, block_bytes]`` uint8 tensor: a CPU tier's slab), with no
+        buffer between: one ``np.take`` per region into the rows when the slots step evenly (what a free
+        list hands out), else one indexed assignment per region. Pages that are not one dense row per
+        engine block, or off the host, go through :meth:`gather` and one indexed copy."""
+        n = len(slots)
+        if not n:
+            return
+        if self._host_rows is not None and slab.is_cpu and not isinstance(block_ids, range):
+            ids = self._host_ids(block_ids, n, "gather")
+            slab_np = self._slab_rows(slab)
+            run = strided_rows(slab_np, slots)
+            at = None if run is not None else np.asarray(slots, dtype=np.intp)
+            for rows, offset, size in zip(self._host_rows, self.offsets, self.page_sizes, strict=True):
+                if run is not None:
+                    # ids are checked in range: "clip" writes straight into the rows, unbuffered
+                    np.take(rows, ids, axis=0, out=run[:, offset:offset + size].view(rows.dtype), mode="clip")
+                else:
+                    slab_np[:, offset:offset + size].view(rows.dtype)[at] = rows[ids]
+            return
+        staged = torch.empty((n, self.block_bytes), dtype=torch.uint8, device=slab.device)
+        self.gather(block_ids, staged)
+        slab.index_copy_(0, torch.as_tensor(list(slots), dtype=torch.int64, device=slab.device), staged)
+
+    def scatter_rows(self, slab: torch.Tensor, slots: Sequence[int], block_ids: BlockIds,
+                     skip: int = 0) -> None:
+        """:meth:`scatter` of the offloaded blocks in rows ``slots`` of ``slab`` (a CPU tier's slab) straight
+        into engine blocks ``block_ids``, starting ``skip`` engine blocks in; no buffer between on the host
+        (see :meth:`gather_rows`)."""
+        n = len(slots)
+        count = len(block_ids) if isinstance(block_ids, range) else \
+            block_ids.size if isinstance(block_ids, np.ndarray) else _as_tensor(block_ids).numel()
+        if skip < 0 or skip + count > n * self.blocks_per_chunk:
+            raise LayoutMismatch(f"{count} engine blocks from {n} offloaded blocks of "
+                                 f"{self.blocks_per_chunk} (skipping {skip}) do not fit")
+        if not count:
+            return
+        if self._host_rows is not None and slab.is_cpu and not isinstance(block_ids, range):
+            ids = self._host_ids(block_ids, count, "scatter")  # one engine block per chunk: skip is 0
+            slab_np = self._slab_rows(slab)
+            run = strided_rows(slab_np, slots[:count])
+            at = None if run is not None else np.asarray(slots[:count], dtype=np.intp)
+            for rows, offset, size in zip(self._host_rows, self.offsets, self.page_sizes, strict=True):
+                if run is not None:
+                    rows[ids] = run[:, offset:offset + size].view(rows.dtype)
+                else:
+                    rows[ids] = slab_np[at, offset:offset + size].view(rows.dtype)
+            return
+        staged = slab.index_select(0, torch.as_tensor(list(slots), dtype=torch.int64, device=slab.device))
+        self.scatter(staged, block_ids, skip)
+
+    def _slab_rows(self, slab: torch.Tensor) -> np.ndarray:
+        if slab.dtype != torch.uint8 or slab.dim() != 2 or slab.shape[1] != self.block_bytes \
+                or slab.stride(1) != 1:
+            raise LayoutMismatch(f"slab must be a [m, {self.block_bytes}] uint8 tensor (rows contiguous), "
+                                 f"got {slab.dtype} {tuple(slab.shape)}")
+        return cast("np.ndarray", slab.numpy())
 
     def _gather_host(self, ids: np.ndarray, blocks: np.ndarray) -> None:
         """:meth:`gather` on the host: one ``np.take`` per region (per engine block of a chunk)."""

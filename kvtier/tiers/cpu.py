@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import mmap
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ClassVar, cast
 
 import numpy as np
@@ -60,6 +60,12 @@ def _host_register(tensor: torch.Tensor) -> bool:
         log.warning("cudaHostRegister returned %s; the CPU tier uses pageable memory", err)
         return False
     return True
+
+
+#: ``fill(slab, slots, placed)`` of :meth:`CpuTier.put_with`: write blocks into rows ``slots`` of ``slab``
+SlotFill = Callable[[torch.Tensor, list[int], "list[int] | None"], None]
+#: ``read(slab, slots)`` of :meth:`CpuTier.get_with`: copy the blocks in rows ``slots`` of ``slab`` out
+SlotRead = Callable[[torch.Tensor, list[int]], None]
 
 
 class CpuTier(Tier):
@@ -149,6 +155,59 @@ class CpuTier(Tier):
         self.counters.bytes_written += len(slots) * slab.slot_bytes
         self.counters.write_seconds += time.perf_counter() - start
         return ok
+
+    def put_with(self, keys: Sequence[BlockKey], fill: SlotFill) -> list[bool]:
+        """:meth:`put_now` of blocks of one group that ``fill`` writes straight into their slots (an engine's
+        pages gathered into the slab, with no buffer between): ``fill(slab, slots, placed)`` gets the
+        group's ``[num_slots, nbytes]`` uint8 slab, the slots given to the keys, and which of ``keys`` they
+        belong to (their positions; None when every key got one, in order). False for a key whose group's
+        slab is full. If ``fill`` raises, the keys' slots are freed (they hold no block) and it propagates.
+        """
+        if not keys:
+            return []
+        group_id = keys[0].group_id
+        slab = self._slabs.get(group_id)
+        if slab is None or not all([key.group_id == group_id for key in keys]):
+            raise ValueError(f"put_with takes keys of one group of CPU tier {self.name!r}")
+        start = time.perf_counter()
+        slots = self._slots.assign_many(group_id, keys)
+        placed: list[int] | None = None
+        if None in slots:  # the slab filled up: the keys that got a slot
+            placed = [i for i, slot in enumerate(slots) if slot is not None]
+            ok = [slot is not None for slot in slots]
+            taken = [cast("int", slots[i]) for i in placed]
+        else:
+            ok = [True] * len(keys)
+            taken = cast("list[int]", slots)
+        if taken:
+            try:
+                fill(slab.tensor, taken, placed)
+            except BaseException:
+                self._slots.release_many(keys if placed is None else [keys[i] for i in placed])
+                raise
+        self.counters.blocks_written += len(taken)
+        self.counters.bytes_written += len(taken) * slab.slot_bytes
+        self.counters.write_seconds += time.perf_counter() - start
+        return ok
+
+    def get_with(self, keys: Sequence[BlockKey], read: SlotRead) -> None:
+        """Hand the slots of ``keys`` (one group's, each holding a block) to ``read(slab, slots)``, which
+        copies them out of the slab itself (into an engine's pages, with no buffer between). Raises
+        ``KeyError`` for a key without a slot, as :meth:`views` does."""
+        if not keys:
+            return
+        group_id = keys[0].group_id
+        slab = self._slabs.get(group_id)
+        if slab is None or not all([key.group_id == group_id for key in keys]):
+            raise ValueError(f"get_with takes keys of one group of CPU tier {self.name!r}")
+        start = time.perf_counter()
+        slots = self._slots.slots_of(group_id, keys)
+        if None in slots:
+            raise KeyError(f"{keys[slots.index(None)]} holds no slot in CPU tier {self.name!r}")
+        read(slab.tensor, cast("list[int]", slots))
+        self.counters.blocks_read += len(keys)
+        self.counters.bytes_read += len(keys) * slab.slot_bytes
+        self.counters.read_seconds += time.perf_counter() - start
 
     async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | torch.Tensor) -> list[bool]:
         """Copy resident blocks into ``out``; a key without a slot is a miss.

@@ -832,3 +832,37 @@ def test_workers_in_other_processes_take_cpu_file_and_redis_tiers_not_gpu(tmp_pa
         assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the scheduler's index writes nothing
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize(("layers", "bpc"), [(1, 1), (2, 1), (2, 2)])
+def test_pages_move_straight_between_the_engine_and_the_cpu_tier_slots_bit_exact(
+        layers: int, bpc: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host engine's stores gather its pages straight into the CPU tier's slots, and its loads scatter
+    them straight back (no buffer between: the worker never asks the runtime for one), bit-exact, with
+    the slots a small tier hands out after evictions (not one even run) and chunks of several blocks."""
+    per_block = block_bytes() // 2 * layers * bpc  # the probe's group has two layers, one block per chunk
+    h = Harness([{"type": "cpu", "capacity": 5 * per_block}], groups=((0, 32, layers),), bpc=bpc)
+    try:
+        def no_buffer(*args: Any, **kwargs: Any) -> torch.Tensor:
+            raise AssertionError("the worker staged pages through a buffer")
+
+        monkeypatch.setattr(h.runtime, "empty_rows", no_buffer)
+        rng = np.random.default_rng(7)
+        held: dict[bytes, list[torch.Tensor]] = {}
+        for salt in range(6):
+            keys = h.keys(3, salt=salt)
+            ids = [int(b) for b in rng.permutation(16)[:3 * bpc]]
+            assert h.store(keys, ids) == keys
+            for i, key in enumerate(keys):
+                held[key] = [layer.clone() for b in ids[i * bpc:(i + 1) * bpc] for layer in h.block(0, b)]
+            hits = [key for key in held if h.manager.lookup(key) == Lookup.HIT]
+            assert set(keys) <= set(hits)
+            targets = [int(b) for b in 16 + rng.permutation(16)[:len(hits) * bpc]]
+            assert h.load(hits, targets)["success"]
+            for i, key in enumerate(hits):
+                got = [layer for b in targets[i * bpc:(i + 1) * bpc] for layer in h.block(0, b)]
+                assert all(torch.equal(a, w) for a, w in zip(got, held[key], strict=True))
+        assert not h.runtime.residency.tiers[0].pins
+        assert h.runtime.core.tiers[0]._slots.problems() == []
+    finally:
+        h.close()

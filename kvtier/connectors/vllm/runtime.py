@@ -19,7 +19,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from kvtier.blocks import BlockKey
-from kvtier.cache import AsyncTieredCache
+from kvtier.cache import AsyncTieredCache, BlockFill
 from kvtier.config import KVTierConfig
 from kvtier.connectors.vllm.geometry import EPOCH_BYTES, KeyCodec
 from kvtier.connectors.vllm.scheduler_index import index_only_cache
@@ -27,6 +27,7 @@ from kvtier.errors import KVTierConfigError, KVTierError
 from kvtier.metrics import CacheStats
 from kvtier.prometheus import MetricsServer
 from kvtier.residency import READY, Plan, Residency
+from kvtier.tiers.cpu import SlotRead
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -522,6 +523,42 @@ class OffloadRuntime:
         blocks = [None if row is None else self._typed(key, row) for key, row in zip(keys, rows, strict=True)]
         self._last_write = self.submit(self.write(plan, keys, blocks, copied, placed=placed))
         return self._last_write
+
+    def store_with(self, plan: Plan | None, keys: Sequence[BlockKey], fill: BlockFill, *,
+                   placed: bool = False) -> concurrent.futures.Future[int] | None:
+        """:meth:`store` whose bytes ``fill`` writes straight into the CPU tiers' slots
+        (:meth:`AsyncTieredCache.execute_with`): for a worker whose pages are on the host, with no buffer
+        between its pages and the tier. None, nothing done, where the plan cannot run so on the caller's
+        thread (a store still on the loop, tiers other than CPU tiers, keys of several groups or of an
+        epoch before a reset): then :meth:`store` it."""
+        if plan is None or not keys or (self._last_write is not None and not self._last_write.done()):
+            return None
+        if not placed and not all([key.block_hash.startswith(self.codec.epoch) for key in keys]):
+            return None
+        stored = self.core.execute_with(plan, keys, fill)
+        if stored is None:
+            return None
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        future.set_result(stored)
+        return future
+
+    def read_with(self, keys: Sequence[BlockKey], sources: Sequence[int], read: SlotRead, *,
+                  placed: bool = False) -> bool | None:
+        """:meth:`read` where ``read(slab, slots)`` copies the leased blocks out of their CPU tier's slots
+        itself (into the engine's pages, with no buffer between), and the leases are released. True when
+        done; None, nothing done and nothing released, for a load it does not take (staged or lost
+        blocks, several tiers or groups, a placed load): then :meth:`read` it."""
+        if placed or not keys or STAGED in sources or LOST in sources:
+            return None
+        try:
+            done = self.core.read_leased_with(keys, sources, read, touch=False)
+        except BaseException:
+            self.release(keys, sources)
+            raise
+        if not done:
+            return None
+        self.release(keys, sources)
+        return True
 
     def _current_rows(self, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None] | torch.Tensor,
                       placed: bool) -> Sequence[torch.Tensor | None] | torch.Tensor:

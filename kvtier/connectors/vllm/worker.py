@@ -115,6 +115,8 @@ class KVTierOffloadWorkerCore:
         nbytes = 0
         groups = split_by_group(keys, src_spec.block_ids, getattr(src_spec, "group_sizes", ()),
                                 len(self.movers))
+        if self._stream is None and keys and self._store_direct(job_id, keys, groups, dst_spec):
+            return True
         for g, (group_keys, ids) in enumerate(groups):
             if not group_keys:
                 continue
@@ -148,9 +150,7 @@ class KVTierOffloadWorkerCore:
         groups = split_by_group(keys, dst_spec.block_ids, getattr(dst_spec, "group_sizes", ()),
                                 len(self.movers))
         starts = list(getattr(dst_spec, "block_indices", ())) or [0] * len(groups)
-        buffers: list[tuple[list[BlockKey], torch.Tensor]] = []
-        scatters = []
-        nbytes = 0
+        moves = []
         for g, (group_keys, ids) in enumerate(groups):
             if not group_keys or not len(ids):
                 continue
@@ -158,6 +158,14 @@ class KVTierOffloadWorkerCore:
             if skip + len(ids) > len(group_keys) * self.blocks_per_chunk:
                 raise LayoutMismatch(f"load of {len(ids)} engine blocks from {len(group_keys)} chunks "
                                      f"(skipping {skip}) does not fit")
+            moves.append((g, group_keys, ids, skip))
+        if self._stream is None and len(moves) == 1 and len(moves[0][1]) == len(keys) and \
+                self._load_direct(job_id, keys, sources, moves[0], src_spec.placed):
+            return True
+        buffers: list[tuple[list[BlockKey], torch.Tensor]] = []
+        scatters = []
+        nbytes = 0
+        for g, group_keys, ids, skip in moves:
             raw = self.runtime.empty_rows(g, len(group_keys), pinned=self._stream is not None)
             buffers.append((group_keys, raw))
             scatters.append((self.movers[g], raw, ids, skip))
@@ -177,6 +185,56 @@ class KVTierOffloadWorkerCore:
                 mover.scatter(blocks, engine_ids, start)
             job.copied = self._copies_done()  # the job keeps its host blocks alive until then
         self._jobs[job_id] = job
+        return True
+
+    def _load_direct(self, job_id: int, keys: list[BlockKey], sources: list[int],
+                     move: tuple[int, list[BlockKey], np.ndarray, int], placed: bool) -> bool:
+        """A load of one group's blocks that one CPU tier holds: its engine pages written now straight out
+        of the tier's slots (``OffloadRuntime.read_with``), with no buffer between; False, nothing done
+        and nothing released, when it cannot go so."""
+        g, _, ids, skip = move
+        mover = self.movers[g]
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        try:
+            done = self.runtime.read_with(
+                keys, sources, lambda slab, slots: mover.scatter_rows(slab, slots, ids, skip), placed=placed)
+        except Exception as exc:  # reported by get_finished as a failed job, never raised into the step
+            future.set_exception(exc)
+            done = True
+        if done is None:
+            return False
+        if not future.done():
+            future.set_result(done)
+        nbytes = len(keys) * self.runtime.core.layouts[keys[0].group_id].nbytes
+        self._jobs[job_id] = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter())
+        return True
+
+    def _store_direct(self, job_id: int, keys: list[BlockKey],
+                      groups: list[tuple[list[BlockKey], np.ndarray]], dst_spec: BlockTransferSpec) -> bool:
+        """A store whose keys are all of one group, gathered from the host pages straight into the CPU
+        tiers' slots (``OffloadRuntime.store_with``); False, nothing done, when it cannot go so."""
+        whole = [(g, ids) for g, (group_keys, ids) in enumerate(groups) if len(group_keys) == len(keys)]
+        if len(whole) != 1:
+            return False
+        g, ids = whole[0]
+        bpc = self.blocks_per_chunk
+        if len(ids) != len(keys) * bpc:
+            return False  # chunks without their pages: the general path names them
+        mover = self.movers[g]
+
+        def fill(slab: torch.Tensor, slots: list[int], idx: list[int] | None) -> None:
+            if idx is None:
+                mover.gather_rows(ids, slab, slots)
+            elif bpc == 1:
+                mover.gather_rows(ids[idx], slab, slots)
+            else:
+                mover.gather_rows(ids.reshape(-1, bpc)[idx].reshape(-1), slab, slots)
+
+        future = self.runtime.store_with(dst_spec.plan, keys, fill, placed=dst_spec.placed)
+        if future is None:
+            return False
+        nbytes = len(keys) * self.runtime.core.layouts[keys[0].group_id].nbytes
+        self._jobs[job_id] = _Job(future, is_load=False, nbytes=nbytes, started=time.perf_counter())
         return True
 
     def _copies_done(self) -> Any:
