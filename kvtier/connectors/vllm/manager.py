@@ -40,6 +40,9 @@ class BlockTransferSpec:
     #: the manager's index is in another process than the worker's tiers: loads are released and stores
     #: settled by the manager (the worker only moves bytes)
     placed: bool = False
+    #: for stores: vLLM's offload key of each of ``keys`` (in order), which the manager has at hand: the
+    #: worker's runtime mirrors the stored blocks under them without deriving them again
+    offload_keys: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -390,7 +393,8 @@ class KVTierOffloadManager:
             if dropped:  # stored now: what the ranks stage for it is released, never promised
                 self._release_when_staged(dropped)
         self.counters.stores_prepared += len(chosen)
-        return chosen, self._spec_type(keys=tuple(block_keys), plan=plan, placed=self._placed)
+        return chosen, self._spec_type(keys=tuple(block_keys), plan=plan, placed=self._placed,
+                                       offload_keys=tuple(chosen))
 
     def _plan_store_fast(self, keys: Sequence[bytes],
                          req_context: Any) -> tuple[list[bytes], BlockTransferSpec] | None:
@@ -411,7 +415,8 @@ class KVTierOffloadManager:
             self._plans.update(dict.fromkeys(chosen, (plan, spec_keys, chosen)))
         storing.update(dict.fromkeys(chosen, 1))  # none was being stored
         self.counters.stores_prepared += len(chosen)
-        return chosen, self._spec_type(keys=spec_keys, plan=plan, placed=self._placed)
+        return chosen, self._spec_type(keys=spec_keys, plan=plan, placed=self._placed,
+                                       offload_keys=tuple(chosen))
 
     def complete_store(self, keys: Sequence[bytes], req_context: Any = None, success: bool = True) -> None:
         """The workers finished a store job: the blocks are cached, or were refused (a later miss)."""

@@ -140,8 +140,24 @@ class IndexMirror:
         self.removed: deque[bytes] = deque(maxlen=MAX_REMOVED_KEYS)
         self._memory = [residency.tiers[t].entries for t in memory_tiers]
         self._lock = threading.Lock()  # an epoch change and a change of the index never interleave
+        #: (block keys, their offload keys) of the store running now (:meth:`expect`)
+        self._expected: tuple[list[BlockKey], Sequence[bytes]] | None = None
+
+    def expect(self, keys: list[BlockKey] | None, offload_keys: Sequence[bytes] = ()) -> None:
+        """The store about to run writes ``keys``, of the current epoch, whose offload keys are
+        ``offload_keys`` (the manager's): a change of exactly those keys, all READY, is mirrored under them
+        in one ``dict.update``. None: no such store."""
+        self._expected = (keys, offload_keys) if keys is not None and len(offload_keys) == len(keys) else None
 
     def residency_changed(self, keys: Sequence[BlockKey]) -> None:
+        expected = self._expected
+        if expected is not None and len(self._memory) == 1 and keys == expected[0]:
+            get = self._memory[0].get
+            if list(map(get, keys)).count(READY) == len(keys):
+                with self._lock:
+                    if keys[0].block_hash.startswith(self.codec.epoch):
+                        self.loadable.update(zip(expected[1], keys, strict=True))
+                        return
         # KeyCodec.offload_key inlined (hash without its epoch tag + the group's suffix): every store
         # and every eviction lands here, once per block, on the scheduler's thread
         loadable, memory, suffixes = self.loadable, self._memory, self.codec.suffixes
@@ -525,17 +541,25 @@ class OffloadRuntime:
         return self._last_write
 
     def store_with(self, plan: Plan | None, keys: Sequence[BlockKey], fill: BlockFill, *,
-                   placed: bool = False) -> concurrent.futures.Future[int] | None:
+                   placed: bool = False, offload_keys: Sequence[bytes] = ()
+                   ) -> concurrent.futures.Future[int] | None:
         """:meth:`store` whose bytes ``fill`` writes straight into the CPU tiers' slots
         (:meth:`AsyncTieredCache.execute_with`): for a worker whose pages are on the host, with no buffer
         between its pages and the tier. None, nothing done, where the plan cannot run so on the caller's
         thread (a store still on the loop, tiers other than CPU tiers, keys of several groups or of an
-        epoch before a reset): then :meth:`store` it."""
+        epoch before a reset): then :meth:`store` it. ``offload_keys``: vLLM's keys of ``keys`` (the
+        manager's), which the mirror then takes as they are (:meth:`IndexMirror.expect`)."""
         if plan is None or not keys or (self._last_write is not None and not self._last_write.done()):
             return None
         if not placed and not all([key.block_hash.startswith(self.codec.epoch) for key in keys]):
             return None
-        stored = self.core.execute_with(plan, keys, fill)
+        keys = keys if isinstance(keys, list) else list(keys)
+        if not placed and offload_keys:
+            self.mirror.expect(keys, offload_keys)
+        try:
+            stored = self.core.execute_with(plan, keys, fill)
+        finally:
+            self.mirror.expect(None)
         if stored is None:
             return None
         future: concurrent.futures.Future[int] = concurrent.futures.Future()

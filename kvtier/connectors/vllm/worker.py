@@ -230,7 +230,8 @@ class KVTierOffloadWorkerCore:
             else:
                 mover.gather_rows(ids.reshape(-1, bpc)[idx].reshape(-1), slab, slots)
 
-        future = self.runtime.store_with(dst_spec.plan, keys, fill, placed=dst_spec.placed)
+        future = self.runtime.store_with(dst_spec.plan, keys, fill, placed=dst_spec.placed,
+                                         offload_keys=getattr(dst_spec, "offload_keys", ()))
         if future is None:
             return False
         nbytes = len(keys) * self.runtime.core.layouts[keys[0].group_id].nbytes
