@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.errors import KVTierConfigError
@@ -147,3 +148,11 @@ class KVCacheSpec:
 
     def tokens_covered(self, group: KVGroup, num_blocks: int) -> int:
         return num_blocks * group.offloaded_block_size
+
+
+_GROUP_ID = attrgetter("group_id")
+
+
+def all_of_group(keys: Sequence[BlockKey], group_id: int) -> bool:
+    """Whether every one of ``keys`` is of group ``group_id``, in one C-level pass (a batch's check)."""
+    return list(map(_GROUP_ID, keys)).count(group_id) == len(keys)

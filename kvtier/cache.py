@@ -29,12 +29,13 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Iterator, Sequence
+from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 import torch
 
-from kvtier.blocks import BlockKey, KVCacheSpec
+from kvtier.blocks import BlockKey, KVCacheSpec, all_of_group
 from kvtier.codec import MAX_HASH_BYTES
 from kvtier.errors import CacheClosed, KVTierConfigError, LayoutMismatch
 from kvtier.hashing import Namespace
@@ -490,7 +491,7 @@ class AsyncTieredCache:
             return None
         group_id = getattr(keys[0], "group_id", None)
         if type(group_id) is not int or group_id not in self._block_bytes or not all(
-                [isinstance(key, BlockKey) and key.group_id == group_id for key in keys]):
+                map(isinstance, keys, repeat(BlockKey))) or not all_of_group(keys, group_id):
             return None
         return self._execute_inline(plan, keys, None, None, fill)
 
@@ -794,8 +795,7 @@ class AsyncTieredCache:
         first = where[0]
         tier = self.tiers[first] if type(first) is int and 0 <= first < len(self.tiers) else None
         group_id = keys[0].group_id
-        if type(tier) is not CpuTier or where.count(first) != len(where) or not all(
-                [key.group_id == group_id for key in keys]):
+        if type(tier) is not CpuTier or where.count(first) != len(where) or not all_of_group(keys, group_id):
             return False
         index = self.residency.tiers[first]
         with self._index_lock:

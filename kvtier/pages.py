@@ -94,6 +94,7 @@ class PageMover:
         self._host = _host_pages(self.pages, self._words) if self.device.type == "cpu" else None
         #: the same as ``[num_blocks, words]`` where every page is one dense row and a chunk is one engine
         #: block (the usual case): a move is then one ``np.take`` or indexed assignment per region
+        self._last_slab: tuple[torch.Tensor, np.ndarray] | None = None  # see _slab_rows
         self._host_rows = [pages.reshape(pages.shape[0], -1) for pages in self._host] \
             if self._host is not None and blocks_per_chunk == 1 and all(p.shape[1] == 1 for p in self._host) \
             else None
@@ -271,11 +272,18 @@ class PageMover:
         self.scatter(staged, block_ids, skip)
 
     def _slab_rows(self, slab: torch.Tensor) -> np.ndarray:
+        """``slab`` as numpy rows, checked; the last one is kept (a CPU tier hands the same slab every
+        time, and ``Tensor.numpy()`` costs more than a small move's copy)."""
+        cached = self._last_slab
+        if cached is not None and cached[0] is slab:
+            return cached[1]
         if slab.dtype != torch.uint8 or slab.dim() != 2 or slab.shape[1] != self.block_bytes \
                 or slab.stride(1) != 1:
             raise LayoutMismatch(f"slab must be a [m, {self.block_bytes}] uint8 tensor (rows contiguous), "
                                  f"got {slab.dtype} {tuple(slab.shape)}")
-        return cast("np.ndarray", slab.numpy())
+        rows = cast("np.ndarray", slab.numpy())
+        self._last_slab = (slab, rows)
+        return rows
 
     def _gather_host(self, ids: np.ndarray, blocks: np.ndarray) -> None:
         """:meth:`gather` on the host: one ``np.take`` per region (per engine block of a chunk)."""

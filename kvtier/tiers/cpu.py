@@ -20,7 +20,7 @@ from typing import ClassVar, cast
 import numpy as np
 import torch
 
-from kvtier.blocks import BlockKey
+from kvtier.blocks import BlockKey, all_of_group
 from kvtier.layout import BlockLayout
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import as_rows, strided_rows
@@ -167,7 +167,7 @@ class CpuTier(Tier):
             return []
         group_id = keys[0].group_id
         slab = self._slabs.get(group_id)
-        if slab is None or not all([key.group_id == group_id for key in keys]):
+        if slab is None or not all_of_group(keys, group_id):
             raise ValueError(f"put_with takes keys of one group of CPU tier {self.name!r}")
         start = time.perf_counter()
         slots = self._slots.assign_many(group_id, keys)
@@ -198,7 +198,7 @@ class CpuTier(Tier):
             return
         group_id = keys[0].group_id
         slab = self._slabs.get(group_id)
-        if slab is None or not all([key.group_id == group_id for key in keys]):
+        if slab is None or not all_of_group(keys, group_id):
             raise ValueError(f"get_with takes keys of one group of CPU tier {self.name!r}")
         start = time.perf_counter()
         slots = self._slots.slots_of(group_id, keys)

@@ -14,6 +14,8 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Coroutine, Sequence
+from itertools import repeat
+from operator import attrgetter
 from typing import Any, TypeVar, cast
 
 import torch
@@ -30,6 +32,7 @@ from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.cpu import SlotRead
 
 log = logging.getLogger(__name__)
+_BLOCK_HASH = attrgetter("block_hash")
 T = TypeVar("T")
 
 #: ``prepare_load`` source of a block served from staging, and of a block that could not be held.
@@ -551,7 +554,7 @@ class OffloadRuntime:
         manager's), which the mirror then takes as they are (:meth:`IndexMirror.expect`)."""
         if plan is None or not keys or (self._last_write is not None and not self._last_write.done()):
             return None
-        if not placed and not all([key.block_hash.startswith(self.codec.epoch) for key in keys]):
+        if not placed and not all(map(bytes.startswith, map(_BLOCK_HASH, keys), repeat(self.codec.epoch))):
             return None
         keys = keys if isinstance(keys, list) else list(keys)
         if not placed and offload_keys:
