@@ -267,7 +267,16 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                             pending = None
                         victim = probation.victim(pinned, inner)
                         heap = probation.heap
-                if victim is None and not lane_detached:
+                if victim is None and not lane_detached and not learned and not any(late):
+                    # recency alone, no leaf out of order: the oldest unpinned front (times are distinct)
+                    best_t = -1
+                    for queue in queues:
+                        for cand, t in queue.items():
+                            if cand not in pinned:
+                                if best_t < 0 or t < best_t:
+                                    victim, best_t = cand, t
+                                break
+                elif victim is None and not lane_detached:
                     now = self._clock + 1
                     best_score = -1.0
                     for c, queue in enumerate(queues):
