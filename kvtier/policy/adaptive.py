@@ -17,7 +17,7 @@ from kvtier.blocks import BlockKey
 from kvtier.policy.base import InsertHint, take_unpinned
 from kvtier.policy.chains import ChainForest
 from kvtier.policy.lifetime import _NEVER_KEEP, _SAMPLE_SHIFT, _SUB, LearnedLifetimePolicy, _bin
-from kvtier.policy.probation import Excluding, ProbationLane
+from kvtier.policy.probation import PROTECTED_SHARE, Excluding, ProbationLane
 
 
 def _last_reference(front: tuple[int, BlockKey, int]) -> int:
@@ -229,7 +229,13 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
     def store_new(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint], pinned: Container[BlockKey],
                   free: int) -> tuple[int, list[BlockKey]]:
         """:meth:`EvictionPolicy.store_new`: per key, :meth:`victims` (one), :meth:`remove` and
-        :meth:`insert` with their usual cases inlined; anything unusual calls the method itself."""
+        :meth:`insert` with their usual cases inlined (the probation lane's bookkeeping too); anything
+        unusual calls the method itself.
+
+        The lane's heap entry for a stored leaf waits in ``pending`` until the next key is stored or
+        the lane is asked for a victim: most stored leaves are parents of the very next key, whose
+        entry would only be skipped as stale (the entries that can be chosen are the same).
+        """
         out: list[BlockKey] = []
         meta_of = self._meta
         queues, late, late_heaps = self._queues, self._late, self._late_heap
@@ -243,14 +249,34 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         repeat_within, hist, refs, next_refit = self._repeat_within, self._hist, self._refs, self._next_refit
         weights, learned = self.weights, self._learned
         probation = self.probation
-        for i, key in enumerate(keys):
+        members, fresh_roots = probation.members, probation.fresh_roots  # never replaced
+        heap = probation.heap  # replaced when the lane compacts it: fetched again after victim()
+        pending: tuple[int, BlockKey] | None = None
+        heappush = heapq.heappush
+        i = 0
+        for key in keys:
             if i >= free:
                 # --- victims(1, pinned): the probation lane first where it decides, then the leader's
                 # order with its common case inlined
                 victim = None
-                if not lane_detached and probation.applies(len(meta_of)):
-                    victim = probation.victim(pinned, inner)
-                if victim is None and not lane_detached:
+                if not lane_detached and members:
+                    resident = len(meta_of)
+                    if resident - len(members) <= PROTECTED_SHARE * resident:  # ProbationLane.applies
+                        if pending is not None:
+                            heappush(heap, pending)
+                            pending = None
+                        victim = probation.victim(pinned, inner)
+                        heap = probation.heap
+                if victim is None and not lane_detached and not learned and not any(late):
+                    # recency alone, no leaf out of order: the oldest unpinned front (times are distinct)
+                    best_t = -1
+                    for queue in queues:
+                        for cand, t in queue.items():
+                            if cand not in pinned:
+                                if best_t < 0 or t < best_t:
+                                    victim, best_t = cand, t
+                                break
+                elif victim is None and not lane_detached:
                     now = self._clock + 1
                     best_score = -1.0
                     for c, queue in enumerate(queues):
@@ -262,14 +288,14 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                             cand = None
                         lc = late[c]
                         if lc:
-                            heap = late_heaps[c]
-                            while heap and lc.get(heap[0][1]) != heap[0][0]:
-                                heapq.heappop(heap)
-                            if heap and (cand is None or heap[0][0] < t):
-                                if heap[0][1] in pinned:
+                            lheap = late_heaps[c]
+                            while lheap and lc.get(lheap[0][1]) != lheap[0][0]:
+                                heapq.heappop(lheap)
+                            if lheap and (cand is None or lheap[0][0] < t):
+                                if lheap[0][1] in pinned:
                                     victim = None
                                     break  # rare: the careful walk
-                                t, cand = heap[0]
+                                t, cand = lheap[0]
                         if cand is None:
                             continue
                         if learned:
@@ -284,6 +310,8 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 if victim is None:  # detached leaves, a pinned late leaf, or no unpinned leaf at all
                     chosen = self._victims(1, pinned)  # the lane, where it decides, was asked above
                     if not chosen:
+                        if pending is not None:
+                            heappush(heap, pending)
                         return i, out
                     victim = chosen[0]
                 out.append(victim)
@@ -311,7 +339,8 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                     for k in chains.release(victim):
                         if k not in inner:
                             lane_detached[k] = self._from_leaf(k)
-                probation.left(victim)
+                if members.pop(victim, None) is None and fresh_roots:  # ProbationLane.left
+                    fresh_roots.pop(victim, None)
                 if parent is not None and parent in inner:  # the parent is a leaf now: _to_leaf, inlined
                     del inner[parent]
                     record = meta_of[parent]
@@ -327,10 +356,13 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                             queue.move_to_end(parent, last=False)
                         else:
                             late[record[0]][parent] = then
-                            heapq.heappush(late_heaps[record[0]], (then, parent))
-                    probation.became_leaf(parent)
+                            heappush(late_heaps[record[0]], (then, parent))
+                    since = members.get(parent)  # ProbationLane.became_leaf
+                    if since is not None:
+                        heappush(heap, (-since, parent))
+            i += 1
             # --- insert(key, hints[i]), inlined (keys are new)
-            hint_pred = hints[i].predecessor
+            hint_pred = hints[i - 1].predecessor
             h = crc32(*key)
             t = self._clock = self._clock + 1
             entry = table[h & slot_mask]
@@ -352,23 +384,21 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 table, slot_mask, reach = self._table, self._slot_mask, self._reach
                 repeat_within, hist, refs = self._repeat_within, self._hist, self._refs
                 next_refit, weights, learned = self._next_refit, self.weights, self._learned
-            parent = None
             if hint_pred is not None and hint_pred != key:  # ChainForest.link, inlined
                 pred_of[key] = hint_pred
                 siblings = children.get(hint_pred)
                 if siblings is None:
                     children[hint_pred] = [key]
-                    if hint_pred in meta_of:
-                        parent = hint_pred
+                    if hint_pred in meta_of and hint_pred not in inner:  # a leaf parent: inner now
+                        inner[hint_pred] = None
+                        parent_record = meta_of[hint_pred]
+                        then = queues[parent_record[0]].pop(hint_pred, -1)
+                        parent_record[2] = then if then >= 0 else self._from_leaf(hint_pred)
                 else:
                     siblings.append(key)
                 if hint_pred in chain_detached:
                     chain_detached.add(key)
-            if parent is not None and parent not in inner:
-                inner[parent] = None
-                parent_record = meta_of[parent]
-                then = queues[parent_record[0]].pop(parent, -1)
-                parent_record[2] = then if then >= 0 else self._from_leaf(parent)
+            leaf = True
             if key in children:
                 is_inner, attached, newly_detached = chains.adopt(key, hint_pred, meta_of)
                 for k in attached:
@@ -381,11 +411,25 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 if is_inner:
                     inner[key] = None
                     record[2] = queue.pop(key)
-                    probation.stored(key, hint_pred, t, False)
-                    continue
-            if key in chain_detached:
+                    leaf = False
+            if leaf and key in chain_detached:
                 lane_detached[key] = queue.pop(key)
-            probation.stored(key, hint_pred, t, True)
+            # --- ProbationLane.stored(key, hint_pred, t, leaf), inlined; the leaf's heap entry deferred
+            if hint_pred is None or hint_pred == key:
+                fresh_roots[key] = t
+                continue
+            if hint_pred not in members:
+                since = fresh_roots.pop(hint_pred, None)
+                if since is None:
+                    continue  # after a hit or protected block: the chain is protected
+                members[hint_pred] = since  # a fresh head with a successor: a chain on probation
+            members[key] = t
+            if leaf:
+                if pending is not None and pending[1] not in inner:
+                    heappush(heap, pending)  # (an inner key's entry would be stale: became_leaf re-adds it)
+                pending = (-t, key)
+        if pending is not None:
+            heappush(heap, pending)
         return len(keys), out
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:

@@ -24,6 +24,7 @@ _BINS = 48 * _SUB
 #: Lower edge of each histogram bin, and the value used for distances inside it.
 _EDGE = [(1 << (b // _SUB)) + (((b % _SUB) << (b // _SUB)) // _SUB) for b in range(_BINS + 1)]
 _MID = [(lo + hi) / 2 for lo, hi in zip(_EDGE, _EDGE[1:], strict=False)]
+_LIFETIME = [float(hi) for hi in _EDGE[1:]]  # the lifetime that keeps every distance inside bin b
 _NEVER_KEEP = 1e18  # eviction weight of a class whose lifetime is zero
 _STEP = 1.05  # each class keeps at least this much longer than the one below (heads before tails)
 _RECHOOSE = 8  # references for which the class chosen to evict from stays chosen
@@ -185,15 +186,14 @@ class LearnedLifetimePolicy(EvictionPolicy):
         for c in range(self._classes):
             n = self._refs[c]
             points = [(0.0, 0.0, 0.0)]
+            append = points.append
             hits = occupied = 0.0
-            hist = self._hist[c]
-            for b in range(self._bins):  # distances beyond the reach are not recorded
-                count = hist[b]
+            # distances beyond the reach are not recorded: the first ``bins`` bins
+            for count, mid, lifetime in zip(self._hist[c], _MID, _LIFETIME[:self._bins], strict=False):
                 if count:
                     hits += count
-                    occupied += count * _MID[b]
-                lifetime = float(_EDGE[b + 1])
-                points.append((occupied + (n - hits) * lifetime, hits, lifetime))
+                    occupied += count * mid
+                append((occupied + (n - hits) * lifetime, hits, lifetime))
             curves.append(points)
             hull = _upper_hull(points)
             for (x0, y0, a0), (x1, y1, a1) in zip(hull, hull[1:], strict=False):
@@ -214,14 +214,16 @@ class LearnedLifetimePolicy(EvictionPolicy):
             return
         # One common lifetime for all classes: what LRU would get under the same model.
         lru = None
-        for i in range(1, len(curves[0])):
-            occupied = sum(curve[i][0] for curve in curves)
-            if occupied >= budget:
-                o0 = sum(curve[i - 1][0] for curve in curves)
-                h0 = sum(curve[i - 1][1] for curve in curves)
-                h1 = sum(curve[i][1] for curve in curves)
+        previous = None
+        for column in zip(*curves, strict=True):  # the classes' points at one common lifetime
+            occupied = sum([p[0] for p in column])
+            if previous is not None and occupied >= budget:
+                o0 = sum([p[0] for p in previous])
+                h0 = sum([p[1] for p in previous])
+                h1 = sum([p[1] for p in column])
                 lru = h0 + (h1 - h0) * (budget - o0) / max(occupied - o0, 1e-9)
                 break
+            previous = column
         if lru is None or best < lru * (1.0 + self._min_gain):
             self._use_lru()
             return

@@ -35,12 +35,14 @@ class ProbationLane:
     O(log n) amortised: leaves wait in a max-heap by store time, stale entries skipped.
     """
 
-    __slots__ = ("fresh_roots", "members", "_heap")
+    __slots__ = ("fresh_roots", "members", "heap")
 
     def __init__(self) -> None:
         self.fresh_roots: dict[BlockKey, int] = {}  # chain heads stored, not hit, no successor yet
         self.members: dict[BlockKey, int] = {}  # probation keys -> store time
-        self._heap: list[tuple[int, BlockKey]] = []  # (-store time, key) of probation leaves
+        #: (-store time, key) of probation leaves, stale entries skipped by :meth:`victim`; an owner that
+        #: inlines :meth:`stored` or :meth:`became_leaf` pushes here (the list is replaced by compaction)
+        self.heap: list[tuple[int, BlockKey]] = []
 
     def stored(self, key: BlockKey, pred: BlockKey | None, t: int, leaf: bool) -> None:
         """``key`` was stored at ``t`` after ``pred`` (its hint); ``leaf``: it has no resident successor."""
@@ -57,7 +59,7 @@ class ProbationLane:
             members[pred] = then  # a fresh head with a successor: a chain on probation
             members[key] = t
         if leaf:
-            heapq.heappush(self._heap, (-t, key))
+            heapq.heappush(self.heap, (-t, key))
 
     def touched(self, key: BlockKey) -> None:
         """``key`` was hit: it is protected from now on."""
@@ -72,7 +74,7 @@ class ProbationLane:
         """``key``'s last resident successor left."""
         t = self.members.get(key)
         if t is not None:
-            heapq.heappush(self._heap, (-t, key))
+            heapq.heappush(self.heap, (-t, key))
 
     def applies(self, resident: int) -> bool:
         """Whether the lane decides now: the protected blocks hold at most their share of ``resident``."""
@@ -94,7 +96,7 @@ class ProbationLane:
 
     def victim(self, pinned: Container[BlockKey], inner: Container[BlockKey]) -> BlockKey | None:
         """The newest probation leaf (not in ``inner``) outside ``pinned``; changes no order."""
-        heap, members = self._heap, self.members
+        heap, members = self.heap, self.members
         held: list[tuple[int, BlockKey]] = []
         found: BlockKey | None = None
         while heap:
@@ -110,8 +112,8 @@ class ProbationLane:
         for entry in held:
             heapq.heappush(heap, entry)
         if len(heap) > 2 * len(members) + 64:
-            self._heap = [(-t, k) for k, t in members.items() if k not in inner]
-            heapq.heapify(self._heap)
+            self.heap = [(-t, k) for k, t in members.items() if k not in inner]
+            heapq.heapify(self.heap)
         return found
 
 
