@@ -1,8 +1,8 @@
 """RESP2 over blocking sockets: one connection, a blocking pool per node, and how to open one.
 
-Why hand-written rather than redis-py: a GET's payload is received with one
-``recv_into(…, MSG_WAITALL)`` straight into the caller's memory, and a SET hands the caller's memory
-to ``sendmsg``; redis-py first builds a ``bytes`` per reply (see docs/redis.md).
+Why hand-written rather than redis-py: a GET's payload (and the reply's closing CRLF) is received
+with one ``recvmsg_into(…, MSG_WAITALL)`` straight into the caller's memory, and a SET hands the
+caller's memory to ``sendmsg``; redis-py first builds a ``bytes`` per reply (see docs/redis.md).
 ``benchmarks/bench_redis.py`` keeps measuring this client next to redis-py and valkey-glide.
 
 Only what the tier sends is spoken: bulk, status, integer and error replies, never arrays.
