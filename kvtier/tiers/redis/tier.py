@@ -41,11 +41,8 @@ KEY_PREFIX = "kvtier"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 #: Connections (I/O threads) one batch uses per node at most.
 _STREAMS_PER_NODE = 4
-#: GETs in flight per connection; Redis buffers deeper pipelines of big replies (measured no faster).
+#: Block requests (GET/SET) in flight per connection; Redis buffers deeper pipelines of big replies.
 _PIPELINE_DEPTH = 1
-#: SETs in flight per connection, by value bytes (at least one): their replies are a few bytes, and
-#: 4 × 256 KiB in flight measured 1.13–1.19× the put rate of one (2 MiB blocks: one at a time).
-_SET_BYTES_IN_FLIGHT = 1 << 20
 #: Small requests (EXISTS/UNLINK) in flight per connection.
 _SMALL_DEPTH = 128
 #: A stale cluster slot map is re-read at most this often.
@@ -301,12 +298,7 @@ class RedisTier(Tier):
         run = NodeRun(ops)
         large = ops[0].large
         streams = min(len(ops), _STREAMS_PER_NODE, self.max_connections) if large else 1
-        if not large:
-            depth = _SMALL_DEPTH
-        elif isinstance(ops[0], SetOp):
-            depth = max(1, _SET_BYTES_IN_FLIGHT // max(op.raw.nbytes for op in ops if isinstance(op, SetOp)))
-        else:
-            depth = _PIPELINE_DEPTH
+        depth = _PIPELINE_DEPTH if large else _SMALL_DEPTH
         pool = self._pool(addr)
         loop = asyncio.get_running_loop()
         executor = self._io_executor()
