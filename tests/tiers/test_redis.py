@@ -9,6 +9,7 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -255,6 +256,106 @@ def test_long_batches_of_small_blocks_keep_their_places(redis_url: str, namespac
     assert [i for i, hit in enumerate(hits) if not hit] == [150, 151, 152]
     assert all(torch.equal(out[i], blocks[i]) for i in range(n) if hits[i])
     assert tier.counters.errors == {"corrupt": 2}
+
+
+#: 256 KiB (one hashing piece) and 320 KiB (a piece and a tail), and a layout with SMALL_256's bytes.
+SMALL_256 = BlockLayout(num_layers=32, num_kv_heads=1, head_dim=128, block_size=16)
+OTHER_256 = BlockLayout(num_layers=64, num_kv_heads=1, head_dim=64, block_size=16)
+ODD_320 = BlockLayout(num_layers=40, num_kv_heads=1, head_dim=128, block_size=16)
+
+
+@pytest.mark.parametrize("connections", [1, 4])
+def test_round_trip_is_bit_exact_at_several_sizes(redis_url: str, namespace: str, connections: int,
+                                                  make_tier: MakeTier) -> None:
+    """16 KiB, 256 KiB, 320 KiB and 2 MiB blocks in one batch (each size's reply read straight into
+    its buffer), on one connection and on several."""
+    layouts = {0: SMALL, 1: SMALL_256, 2: ODD_320, 3: LARGE}
+    tier = make_tier("r", layouts, namespace=namespace, url=redis_url, max_connections=connections)
+    keys = [k for gid in layouts for k in keys_for(3, group=gid)]
+    blocks = [b for gid, layout in layouts.items() for b in kv_like(layout, 3, seed=gid)]
+    out = [b for layout in layouts.values() for b in empty_like_blocks(layout, 3)]
+    assert asyncio.run(tier.put(keys, blocks)) == [True] * 12
+    order = list(range(12))[::-1]  # sizes interleaved differently from the put
+    assert asyncio.run(tier.get([keys[i] for i in order], [out[i] for i in order])) == [True] * 12
+    assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+    assert tier.counters.errors == {}
+
+
+@pytest.mark.parametrize("depth", [1, 8])
+def test_one_connection_stays_in_step_through_odd_replies(redis_url: str, namespace: str, depth: int,
+                                                          make_tier: MakeTier,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one connection (one request in flight, or 8 pipelined so replies sit buffered): a missing key,
+    longer and shorter values, an error reply (WRONGTYPE), another layout's value of the same length,
+    a foreign header and a flipped payload byte are misses at their own index; every block between
+    them comes back bit-exact, and the same keys read again after a good put are hits."""
+    import kvtier.tiers.redis.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "_PIPELINE_DEPTH", depth)
+    tier = make_tier("r", {0: SMALL_256}, namespace=namespace, url=redis_url, max_connections=1)
+    other = make_tier("o", {0: OTHER_256}, namespace=namespace, url=redis_url)
+    n = 16
+    keys, blocks = keys_for(n), kv_like(SMALL_256, n, seed=7)
+    assert asyncio.run(tier.put(keys, blocks)) == [True] * n
+    assert asyncio.run(other.put([keys[9]], kv_like(OTHER_256, 1, seed=8))) == [True]
+    client = sync_client(redis_url)
+    rkey = [tier.redis_key(k) for k in keys]
+    good = client.get(rkey[0])
+    client.delete(rkey[1])                                            # missing: $-1
+    client.set(rkey[3], client.get(rkey[3]) + b"tail")                # longer by 4 bytes
+    client.set(rkey[5], client.get(rkey[5])[:-7])                     # shorter by 7 bytes
+    client.delete(rkey[7])
+    client.rpush(rkey[7], b"x")                                       # -WRONGTYPE error reply
+    client.set(rkey[11], good)                                        # key 0's value: its header says key 0
+    flipped = bytearray(client.get(rkey[13]))
+    flipped[-1] ^= 0x01                                               # last payload byte
+    client.set(rkey[13], bytes(flipped))
+    client.close()
+    bad = [1, 3, 5, 7, 9, 11, 13]
+    out = empty_like_blocks(SMALL_256, n)
+    hits = asyncio.run(tier.get(keys, out))
+    assert [i for i in range(n) if not hits[i]] == bad
+    assert all(torch.equal(out[i], blocks[i]) for i in range(n) if hits[i])
+    assert tier.counters.errors == {"corrupt": 5, "server": 1}
+
+    # the corrupt values were deleted; stored again (the list first removed), every key is a hit
+    sync_client(redis_url).delete(rkey[7])
+    assert asyncio.run(tier.put(keys, blocks)) == [True] * n
+    again = empty_like_blocks(SMALL_256, n)
+    assert asyncio.run(tier.get(keys, again)) == [True] * n
+    assert all(torch.equal(a, b) for a, b in zip(blocks, again, strict=True))
+
+
+def test_a_key_overwritten_with_another_length_is_a_miss_then_a_hit(redis_url: str, namespace: str,
+                                                                   make_tier: MakeTier) -> None:
+    """Another tier of the namespace stores a 2 MiB block under a key this tier reads as 256 KiB: a miss
+    (not a hang waiting for the length it expected, not a short read); stored again, a hit."""
+    tier = make_tier("r", {0: SMALL_256}, namespace=namespace, url=redis_url, max_connections=1)
+    big = make_tier("b", {0: LARGE}, namespace=namespace, url=redis_url)
+    keys, blocks = keys_for(3), kv_like(SMALL_256, 3, seed=9)
+    assert asyncio.run(tier.put(keys, blocks)) == [True] * 3
+    assert asyncio.run(big.put(keys[1:2], kv_like(LARGE, 1))) == [True]
+    out = empty_like_blocks(SMALL_256, 3)
+    assert asyncio.run(tier.get(keys, out)) == [True, False, True]
+    assert torch.equal(out[0], blocks[0]) and torch.equal(out[2], blocks[2])
+    assert tier.counters.errors == {"corrupt": 1}
+    assert asyncio.run(tier.put(keys[1:2], blocks[1:2])) == [True]
+    assert asyncio.run(tier.get(keys, out)) == [True] * 3
+    assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+
+
+def test_no_server_is_a_miss_not_an_exception(make_tier: MakeTier) -> None:
+    """Nothing listens at the url: puts are False, gets and lookups miss, errors are counted."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again before the tier connects: refused
+    tier = make_tier("r", {0: SMALL_256}, namespace="down", url=f"redis://127.0.0.1:{port}/0",
+                     connect_timeout=0.5, timeout=0.5)
+    keys, blocks = keys_for(4), kv_like(SMALL_256, 4)
+    assert asyncio.run(tier.put(keys, blocks)) == [False] * 4
+    assert asyncio.run(tier.get(keys, empty_like_blocks(SMALL_256, 4))) == [False] * 4
+    assert asyncio.run(tier.contains(keys)) == [False] * 4
+    assert tier.counters.errors
 
 
 def test_wrong_layout_fingerprint_is_a_miss(redis_url: str, namespace: str, make_tier: MakeTier) -> None:

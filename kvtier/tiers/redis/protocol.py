@@ -1,8 +1,8 @@
 """RESP2 over blocking sockets: one connection, a blocking pool per node, and how to open one.
 
-Why hand-written rather than redis-py: a GET's payload is received with one
-``recv_into(…, MSG_WAITALL)`` straight into the caller's memory, and a SET hands the caller's memory
-to ``sendmsg``; redis-py first builds a ``bytes`` per reply (see docs/redis.md).
+Why hand-written rather than redis-py: a GET's payload (and the reply's closing CRLF) is received
+with one ``recvmsg_into(…, MSG_WAITALL)`` straight into the caller's memory, and a SET hands the
+caller's memory to ``sendmsg``; redis-py first builds a ``bytes`` per reply (see docs/redis.md).
 ``benchmarks/bench_redis.py`` keeps measuring this client next to redis-py and valkey-glide.
 
 Only what the tier sends is spoken: bulk, status, integer and error replies, never arrays.
@@ -162,6 +162,58 @@ class Connection:
             self._start += have
         while have < want:
             have += self._recv_into(dst[have:], self._waitall)
+
+    def read_expected_bulk(self, line: bytes, head: memoryview) -> bool:
+        """Consume the next reply's first line and ``head.nbytes`` value bytes into ``head`` if that line is
+        exactly ``line`` (``b"$<length>\\r\\n"``); else consume nothing and return False.
+
+        The fast start of a GET whose value length is known: it receives no more than the line and
+        ``head`` (the rest can then land straight in the caller's memory) and never waits for a byte
+        that another reply (``$-1``, an error, another length) would not send, since every reply line
+        ends in CRLF and so differs from ``line`` once it has arrived whole.
+        """
+        need = len(line) + head.nbytes
+        if self._start == self._end:
+            self._start = self._end = 0
+        while True:
+            have = self._end - self._start
+            seen = min(have, len(line))
+            if self._view[self._start:self._start + seen] != line[:seen]:
+                return False
+            if have >= need:
+                break
+            if self._start + need > len(self._buf):
+                self._buf[:have] = self._view[self._start:self._end]
+                self._start, self._end = 0, have
+            self._end += self._recv_into(self._view[self._end:self._start + need])
+        start = self._start + len(line)
+        head[:] = self._view[start:start + head.nbytes]
+        self._start += need
+        return True
+
+    def read_value_end(self, dst: memoryview) -> None:
+        """Fill ``dst`` exactly, then consume the CRLF that ends the bulk reply.
+
+        With nothing buffered on a plain TCP socket, both land in one ``recvmsg_into(MSG_WAITALL)``:
+        the payload in ``dst``, the CRLF in this connection's own buffer (checked like any other).
+        """
+        if self._start != self._end or not self._waitall:
+            self.read_into(dst)
+            self.expect_crlf()
+            return
+        self._start = self._end = 0
+        try:
+            got, _, _, _ = self._sock.recvmsg_into((dst, self._view[:2]), 0, self._waitall)
+        except BlockingIOError:
+            raise TimeoutError("no reply within the timeout") from None
+        if not got:
+            raise ConnectionError("the server closed the connection")
+        want = dst.nbytes
+        if got < want:  # cut short (a timeout or a signal): the rest, one receive at a time
+            self.read_into(dst[got:])
+        else:
+            self._end = got - want  # the CRLF bytes that came, now buffered
+        self.expect_crlf()
 
     def skip(self, nbytes: int) -> None:
         while nbytes:

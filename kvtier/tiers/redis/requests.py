@@ -23,9 +23,12 @@ from kvtier.codec import (
     HEADER_SIZE,
     BlockHeader,
     PayloadChecksum,
+    RawHeaders,
     decode_header,
     decode_payload_into,
     encode_block,
+    finish_raw_check,
+    start_raw_check,
     verify_payload,
 )
 from kvtier.errors import CorruptBlock
@@ -161,18 +164,27 @@ class SetOp(Op):
 
 
 class GetOp(Op):
-    """GET into the caller's buffer: the header into a small buffer, a raw payload straight into ``out``."""
+    """GET into the caller's buffer: the header into a small buffer, a raw payload straight into ``out``.
 
-    __slots__ = ("out", "fingerprint", "namespace_fp", "itemsize", "header_buf", "value_bytes", "why")
+    The reply a raw block of this layout makes (``$<header + block bytes>``, then the value) is read
+    on the fast path: its length line and header in one receive, the header compared byte for byte
+    with the one this key would have (:class:`RawHeaders`), then the payload and the closing CRLF
+    straight into ``out`` and hashed there. Any other reply (a miss, an error, another length, a
+    compressed or foreign value) is parsed the general way; what fails a check is a miss.
+    """
+
+    __slots__ = ("out", "fingerprint", "namespace_fp", "itemsize", "raw_headers", "header_buf", "value_bytes",
+                 "why")
     large = True
 
     def __init__(self, index: int, key: BlockKey, rkey: bytes, out: np.ndarray, fingerprint: int,
-                 itemsize: int, namespace_fp: int) -> None:
+                 itemsize: int, namespace_fp: int, raw_headers: RawHeaders) -> None:
         super().__init__(index, key, rkey)
         self.out = out
         self.fingerprint = fingerprint
         self.namespace_fp = namespace_fp
         self.itemsize = itemsize
+        self.raw_headers = raw_headers
         self.header_buf = bytearray(HEADER_SIZE)
         self.value_bytes = 0
         #: Why the value was invalid; logged (rate-limited) by the event loop, not the I/O thread.
@@ -182,41 +194,65 @@ class GetOp(Op):
         return (command(b"GET", self.rkey),)
 
     def read_reply(self, conn: Connection) -> None:
-        size = conn.read_bulk_size()
-        if size < 0:
-            return  # absent, expired or evicted: a plain miss
+        raw_size = HEADER_SIZE + self.out.nbytes
+        header_view = memoryview(self.header_buf)
+        if conn.read_expected_bulk(b"$%d\r\n" % raw_size, header_view):
+            size = raw_size
+        else:
+            size = conn.read_bulk_size()
+            if size < 0:
+                return  # absent, expired or evicted: a plain miss
+            if size < HEADER_SIZE:
+                self.value_bytes = size
+                conn.skip(size + 2)
+                self._corrupt(f"value of {size} bytes is shorter than a header")
+                return
+            conn.read_into(header_view)
         self.value_bytes = size
-        if size < HEADER_SIZE:
-            conn.skip(size + 2)
-            self._corrupt(f"value of {size} bytes is shorter than a header")
+        digest = start_raw_check(header_view, self.raw_headers.of(self.key)) if size == raw_size else None
+        if digest is None:
+            self._read_other(conn, size)
             return
-        conn.read_into(memoryview(self.header_buf))
+        # a raw payload lands in ``out`` piece by piece, each hashed while it is still in the CPU cache
+        out = self.out.data
+        total = out.nbytes
+        for start in range(0, total, _HASH_PIECE):
+            piece = out[start:start + _HASH_PIECE]
+            if start + _HASH_PIECE >= total:
+                conn.read_value_end(piece)
+            else:
+                conn.read_into(piece)
+            digest.update(piece)
+        if total == 0:
+            conn.expect_crlf()
+        if not finish_raw_check(header_view, digest):
+            self._corrupt(f"checksum mismatch for {self.key}")
+            return
+        self.ok = True
+
+    def _read_other(self, conn: Connection, size: int) -> None:
+        """The rest of a value that is not this key's raw block: a compressed block, or a miss."""
         try:
             header = self._check_header(size)
         except CorruptBlock as exc:
             conn.skip(size - HEADER_SIZE + 2)
             self._corrupt(str(exc))
             return
-        if header.compressed:
-            payload = memoryview(bytearray(header.payload_len))
-            conn.read_into(payload)
-            conn.expect_crlf()
-            self._decode(header, payload)
+        if not header.compressed:  # valid, yet not byte for byte the expected header: checked in full
+            running = PayloadChecksum(self.header_buf, header)
+            conn.read_value_end(self.out.data)
+            running.update(self.out.data)
+            try:
+                running.verify()
+            except CorruptBlock as exc:
+                self._corrupt(str(exc))
+                return
+            self.ok = True
             return
-        # a raw payload lands in ``out`` piece by piece, each hashed while it is still in the CPU cache
-        running = PayloadChecksum(self.header_buf, header)
-        out = self.out.data
-        for start in range(0, header.payload_len, _HASH_PIECE):
-            piece = out[start:start + _HASH_PIECE]
-            conn.read_into(piece)
-            running.update(piece)
+        payload = memoryview(bytearray(header.payload_len))
+        conn.read_into(payload)
         conn.expect_crlf()
-        try:
-            running.verify()
-        except CorruptBlock as exc:
-            self._corrupt(str(exc))
-            return
-        self.ok = True
+        self._decode(header, payload)
 
     def _check_header(self, size: int) -> BlockHeader:
         """The one place a value's header is checked: key, layout, namespace, length; raises CorruptBlock."""

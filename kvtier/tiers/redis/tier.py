@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvtier.blocks import BlockKey
-from kvtier.codec import MAX_HASH_BYTES
+from kvtier.codec import MAX_HASH_BYTES, RawHeaders
 from kvtier.errors import LayoutMismatch
 from kvtier.hashing import namespace_fingerprint
 from kvtier.layout import BlockLayout
@@ -111,6 +111,8 @@ class RedisTier(Tier):
         self._key_prefix = f"{KEY_PREFIX}:{namespace}:".encode()
         self._fingerprints = {gid: layout.fingerprint() for gid, layout in self.layouts.items()}
         self._itemsizes = {gid: layout.itemsize for gid, layout in self.layouts.items()}
+        self._raw_headers = {gid: RawHeaders(self._fingerprints[gid], layout.nbytes, self.namespace_fp)
+                             for gid, layout in self.layouts.items()}
         self._ttl_args = b"" if ttl_seconds is None else _ttl_args(ttl_seconds)
         ssl_context = ssl.create_default_context(cafile=tls_ca_file) if self.tls else None
         self._connector = Connector(self.username, self.password, self.db, ssl_context, self.connect_timeout,
@@ -177,7 +179,8 @@ class RedisTier(Tier):
             return []
         start = time.perf_counter()
         ops = [GetOp(i, key, self.redis_key(key), arrays[i], self._fingerprints[key.group_id],
-                     self._itemsizes[key.group_id], self.namespace_fp) for i, key in enumerate(keys)]
+                     self._itemsizes[key.group_id], self.namespace_fp, self._raw_headers[key.group_id])
+               for i, key in enumerate(keys)]
         await self._execute(ops)
         for op in ops:
             if op.ok:
