@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.blocks import BlockKey
+from kvtier.blocks import BlockKey, all_of_group
 from kvtier.policy import EvictionPolicy, InsertHint, make_eviction_policy
 from kvtier.policy.admission import AdmitAll
 from kvtier.policy.placement import PlacementPolicy
@@ -287,19 +287,21 @@ class Residency:
         if policy is None or index.self_evicting or not index.fits(group_id):
             return False
         entries, pins = index.entries, index.pins
-        for key in keys:
-            if key in entries or key in pins or key.group_id != group_id:
-                return False
-        if len(set(keys)) != len(keys):
+        if not all_of_group(keys, group_id) or len(distinct := set(keys)) != len(keys) or not (
+                entries.keys().isdisjoint(distinct) and pins.keys().isdisjoint(distinct)):
             return False
         per_block = index.block_bytes[group_id]
         room = index.capacity[group_id] - index.used[group_id]
         if room < 0:
             return False  # over capacity (more than one victim per key): key by key
         pins.update(dict.fromkeys(keys, 1))  # pending and pinned before any victim is chosen
-        stored, victims = policy.store_new(
-            keys, hints if hints is not None else [InsertHint(position=i) for i in range(len(keys))],
-            pins, room // per_block)
+        if hints is not None:
+            batch_hints: Sequence[InsertHint] = hints
+        elif policy.reads_positions:
+            batch_hints = [InsertHint(position=i) for i in range(len(keys))]
+        else:  # the policy reads only the hints' predecessors: one shared hint, no object per key
+            batch_hints = [_NO_HINT] * len(keys)
+        stored, victims = policy.store_new(keys, batch_hints, pins, room // per_block)
         if stored < len(keys):
             for key in keys[stored:]:
                 del pins[key]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Container, Iterable, Sequence
+from typing import Any
 from zlib import crc32
 
 from kvtier.blocks import BlockKey
@@ -18,6 +19,8 @@ from kvtier.policy.base import InsertHint, take_unpinned
 from kvtier.policy.chains import ChainForest
 from kvtier.policy.lifetime import _NEVER_KEEP, _SAMPLE_SHIFT, _SUB, LearnedLifetimePolicy, _bin
 from kvtier.policy.probation import PROTECTED_SHARE, Excluding, ProbationLane
+
+_STALE = object()  # store_new: a class queue's recency candidate must be found again
 
 
 def _last_reference(front: tuple[int, BlockKey, int]) -> int:
@@ -32,6 +35,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
     """
 
     name = "adaptive"
+    reads_positions = False  # store_new reads only the hints' predecessors
 
     def __init__(self, capacity: int | None = None, *, classes: int = 3, min_gain: float = 0.02) -> None:
         super().__init__(capacity, classes=classes, min_gain=min_gain)
@@ -253,6 +257,10 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         heap = probation.heap  # replaced when the lane compacts it: fetched again after victim()
         pending: tuple[int, BlockKey] | None = None
         heappush = heapq.heappush
+        # recency's candidates: per class queue, its oldest unpinned (key, time), None when it has none,
+        # or _STALE (find it again); None for the whole list until first asked. A class's entry goes
+        # stale when a key leaves its queue; anything else that reorders queues drops the list.
+        fronts: list[Any] | None = None
         i = 0
         for key in keys:
             if i >= free:
@@ -269,13 +277,19 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                         heap = probation.heap
                 if victim is None and not lane_detached and not learned and not any(late):
                     # recency alone, no leaf out of order: the oldest unpinned front (times are distinct)
+                    if fronts is None:
+                        fronts = [_STALE] * len(queues)
                     best_t = -1
-                    for queue in queues:
-                        for cand, t in queue.items():
-                            if cand not in pinned:
-                                if best_t < 0 or t < best_t:
-                                    victim, best_t = cand, t
-                                break
+                    for c, front in enumerate(fronts):
+                        if front is _STALE:
+                            front = None
+                            for cand, t in queues[c].items():
+                                if cand not in pinned:
+                                    front = (cand, t)
+                                    break
+                            fronts[c] = front
+                        if front is not None and (best_t < 0 or front[1] < best_t):
+                            victim, best_t = front
                 elif victim is None and not lane_detached:
                     now = self._clock + 1
                     best_score = -1.0
@@ -321,6 +335,8 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                     del inner[victim]
                 else:
                     then = queues[cls].pop(victim, -1)
+                    if then >= 0 and fronts is not None:
+                        fronts[cls] = _STALE
                     if then < 0:
                         then = late[cls].pop(victim, -1)
                         if then < 0:
@@ -336,12 +352,14 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                         if pred in meta_of:
                             parent = pred
                 if victim in chain_detached or victim in children:
+                    fronts = None
                     for k in chains.release(victim):
                         if k not in inner:
                             lane_detached[k] = self._from_leaf(k)
                 if members.pop(victim, None) is None and fresh_roots:  # ProbationLane.left
                     fresh_roots.pop(victim, None)
                 if parent is not None and parent in inner:  # the parent is a leaf now: _to_leaf, inlined
+                    fronts = None
                     del inner[parent]
                     record = meta_of[parent]
                     then, record[2] = record[2], -1
@@ -380,11 +398,13 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             queue = queues[cls]
             queue[key] = t
             if t >= next_refit:
+                fronts = None
                 self._refit()
                 table, slot_mask, reach = self._table, self._slot_mask, self._reach
                 repeat_within, hist, refs = self._repeat_within, self._hist, self._refs
                 next_refit, weights, learned = self._next_refit, self.weights, self._learned
             if hint_pred is not None and hint_pred != key:  # ChainForest.link, inlined
+                fronts = None
                 pred_of[key] = hint_pred
                 siblings = children.get(hint_pred)
                 if siblings is None:
@@ -400,6 +420,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                     chain_detached.add(key)
             leaf = True
             if key in children:
+                fronts = None
                 is_inner, attached, newly_detached = chains.adopt(key, hint_pred, meta_of)
                 for k in attached:
                     then = lane_detached.pop(k, -1)

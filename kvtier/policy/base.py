@@ -42,6 +42,9 @@ class EvictionPolicy(ABC):
 
     #: Name used in config (``eviction: lru``) and in replay tables.
     name: str = ""
+    #: Whether :meth:`store_new` reads :attr:`InsertHint.position` (else a batch without hints gets one
+    #: shared default hint instead of a hint object per key; set False only where it never does).
+    reads_positions: bool = True
 
     @abstractmethod
     def insert(self, key: BlockKey, hint: InsertHint = InsertHint()) -> None:

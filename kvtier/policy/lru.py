@@ -14,6 +14,7 @@ class LRUPolicy(EvictionPolicy):
     """Evicts the block accessed longest ago. An ``OrderedDict``: every operation is O(1)."""
 
     name = "lru"
+    reads_positions = False  # store_new reads no hint
 
     def __init__(self) -> None:
         self._order: OrderedDict[BlockKey, None] = OrderedDict()
