@@ -522,3 +522,55 @@ def test_load_into_one_tensor_from_two_cpu_tiers_in_any_order(order: str) -> Non
         assert cache.load([keys[i] for i in picked], out) == 8
         for row, i in enumerate(picked):
             assert same(out[row], blocks[i])
+
+
+@settings(max_examples=40, deadline=None)
+@given(slots=st.integers(1, 8), chained=st.booleans(),
+       ops=st.lists(st.tuples(st.sampled_from(["store", "load"]), st.lists(st.integers(0, 15), max_size=10)),
+                    max_size=12))
+def test_a_batched_store_leaves_what_key_by_key_planning_and_per_block_copies_leave(
+        slots: int, chained: bool, ops: list[tuple[str, list[int]]]) -> None:
+    """A store of one tensor into a CPU tier (planned in one policy call, checked and copied as one batch)
+    leaves the index, pins, eviction order and bytes that key-by-key planning with one buffer per block
+    leaves, whatever the batch holds (repeats, cached keys, more keys than room)."""
+    layout = small_layout()
+    keys, blocks = make_keys(16), random_blocks(16, layout, seed=3)
+
+    async def run() -> None:
+        batched = AsyncTieredCache.from_config(_cpu_only_config(slots))
+        by_key = AsyncTieredCache.from_config(_cpu_only_config(slots))
+        by_key.residency._plan_batch = lambda *args: False  # type: ignore[method-assign]
+        for cache in (batched, by_key):
+            await cache.start()
+        try:
+            for op, ns in ops:
+                ks = [keys[n] for n in ns]
+                preds = [keys[n - 1] if n else None for n in ns] if chained else None
+                if op == "store":
+                    got = await batched.store(ks, blocks[ns], predecessors=preds)
+                    want = await by_key.store(ks, [blocks[n] for n in ns], predecessors=preds)
+                else:
+                    outs = [torch.zeros((len(ns), *layout.shape), dtype=layout.dtype) for _ in range(2)]
+                    got = await batched.load(ks, outs[0])
+                    want = await by_key.load(ks, list(outs[1].unbind(0)))
+                    assert same(outs[0][:got], outs[1][:want])
+                assert got == want
+                counts = [(s.stored_blocks, s.loaded_blocks,
+                           [(t.hits, t.misses, t.stores, t.failed_stores, t.evictions, t.blocks_written,
+                             t.bytes_written, t.usage_bytes) for t in s.tiers])
+                          for s in (batched.stats(), by_key.stats())]
+                assert counts[0] == counts[1]
+                one, other = batched.residency.tiers[0], by_key.residency.tiers[0]
+                assert one.entries == other.entries and one.pins == other.pins and one.used == other.used
+                assert one.hints == other.hints
+                assert one.policies[0].victims(16, {}) == other.policies[0].victims(16, {})
+                for key, n in zip(keys, range(16), strict=True):
+                    if key in one.entries:
+                        row = batched.tiers[0].views([key])[0]
+                        assert torch.equal(row, by_key.tiers[0].views([key])[0])
+                        assert torch.equal(row, blocks[n].view(torch.uint8).reshape(-1))
+        finally:
+            await batched.close()
+            await by_key.close()
+
+    asyncio.run(run())
