@@ -411,7 +411,7 @@ class AsyncTieredCache:
         async with self._mutation:
             plan = self._plan_store(keys, hints)
             stored = await self._execute(plan, keys, buffers)
-        count = len(set(stored) | set(plan.skipped))
+        count = len(set(stored) | set(plan.skipped)) if plan.skipped else len(stored)  # stored: distinct
         self._counts["stored_blocks"] += count
         return count
 
@@ -1113,7 +1113,8 @@ class AsyncTieredCache:
                 if isinstance(res, BaseException):
                     refused = refused or res
                     res = [False] * len(idx)  # settle the plan's entries before raising: nothing leaks
-                written = [i for i, ok in zip(idx, res, strict=True) if ok]
+                written = (idx if len(res) == len(idx) and all(res)  # the usual batch: every write went in
+                           else [i for i, ok in zip(idx, res, strict=True) if ok])
                 good = [keys[i] for i in written]
                 index = self.residency.tiers[t]
                 index.settle_many(good, True)  # Residency.finish_write of each
@@ -1199,6 +1200,8 @@ class AsyncTieredCache:
         """(key, predecessor) of blocks just written to tier ``t``, for it to keep (a file tier persists
         them); call under the index lock."""
         hints = self.residency.tiers[t].hints
+        if not hints:  # no block of the tier carries a chain link
+            return []
         return [(k, p) for k in keys if (p := hints[k].predecessor if k in hints else None) is not None]
 
     async def _safe_io(self, t: int, op: str, keys: list[BlockKey], *args: Any) -> list[bool]:

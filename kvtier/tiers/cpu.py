@@ -133,8 +133,7 @@ class CpuTier(Tier):
             return False
         group_id = keys[0].group_id
         slab = self._slabs.get(group_id)
-        return (slab is not None and rows.shape[1] == slab.slot_bytes
-                and all(key.group_id == group_id for key in keys))
+        return slab is not None and rows.shape[1] == slab.slot_bytes and all_of_group(keys, group_id)
 
     def put_rows(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> list[bool]:
         """:meth:`put_now` of a batch the caller checked (a contiguous ``[len(keys), nbytes]`` uint8 CPU
