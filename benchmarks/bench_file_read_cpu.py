@@ -8,8 +8,13 @@ loop's share) and the wall-clock rate; the last line gives the medians. On a sha
 wall-clock rate moves with the neighbours, the CPU time much less: compare two trees by running
 this script with each tree on ``PYTHONPATH``, alternating, and comparing the CPU medians.
 
+``--raw`` adds two baselines in the same rounds, on the same files and buffers: ``raw``, plain
+``open`` + one ``os.preadv`` into [header page, block] + ``close`` on ``--io-threads`` threads (what
+the peer harness's ``raw_file`` row does, there on one thread), and ``raw+xxh3``, the same plus the
+block's xxh3-64 (the least a checked read costs from Python).
+
 Usage: ``PYTHONPATH=<tree> python benchmarks/bench_file_read_cpu.py [--block-kib 256]
-[--blocks 1024] [--batch 32] [--rounds 5] [--io-threads 4] [--dir DIR]``. DIR must be on the disk
+[--blocks 1024] [--batch 32] [--rounds 5] [--io-threads 4] [--raw] [--dir DIR]``. DIR must be on the disk
 under test (not tmpfs); it is removed afterwards.
 """
 
@@ -23,8 +28,10 @@ import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import xxhash
 
 import kvtier
 from kvtier.blocks import BlockKey
@@ -41,6 +48,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--io-threads", type=int, default=4)
+    parser.add_argument("--raw", action="store_true", help="also time raw preadv (and preadv + xxh3) reads")
     parser.add_argument("--dir", default=None, help="parent directory of the data (default: system temp)")
     args = parser.parse_args()
     size = args.block_kib * 1024
@@ -73,19 +81,51 @@ def main() -> None:
             raise SystemExit(f"puts failed: {tier.counters.errors}")
         print(f"kvtier from {os.path.dirname(kvtier.__file__)}; {n} x {args.block_kib} KiB, batches of "
               f"{args.batch}, io_threads {args.io_threads}, write_io {tier.write_io_active}")
-        cpu, rate = [], []
+        paths = [str(tier.path_of(key)) for key in keys]
+        pool = ThreadPoolExecutor(args.io_threads)
+        pages = [memoryview(mmap.mmap(-1, 4096)) for _ in range(args.io_threads)]
+        views = [memoryview(block.numpy()) for block in out]
+
+        def raw_reads(part: int, checksum: bool) -> None:
+            page = pages[part]
+            for i in range(part, n, args.io_threads):
+                fd = os.open(paths[i], os.O_RDONLY)
+                try:
+                    os.preadv(fd, [page, views[i]], 0)
+                finally:
+                    os.close(fd)
+                if checksum:
+                    xxhash.xxh3_64(views[i]).intdigest()
+
+        def raw(checksum: bool) -> None:
+            list(pool.map(raw_reads, range(args.io_threads), [checksum] * args.io_threads))
+
+        cases = {"kvtier get": lambda: loop.run_until_complete(get())}
+        if args.raw:
+            cases["raw"] = lambda: raw(False)
+            cases["raw+xxh3"] = lambda: raw(True)
+        cpu: dict[str, list[float]] = {name: [] for name in cases}
+        rate: dict[str, list[float]] = {name: [] for name in cases}
         for round_ in range(args.rounds):
-            loop.run_until_complete(get())  # the blocks back in the page cache if a neighbour dropped it
-            cpu0, wall0 = time.process_time(), time.perf_counter()
-            hits = loop.run_until_complete(get())
-            cpu1, wall1 = time.process_time(), time.perf_counter()
-            if not all(all(r) for r in hits) or bytes(dest) != bytes(source):
-                raise SystemExit(f"round {round_}: wrong or missing blocks ({tier.counters.errors})")
-            cpu.append((cpu1 - cpu0) / n * 1e6)
-            rate.append(n * size / 1e6 / (wall1 - wall0))
-            print(f"round {round_}: {cpu[-1]:.1f} us CPU per block, {rate[-1]:.0f} MB/s")
-        print(f"median: {statistics.median(cpu):.1f} us CPU per block, {statistics.median(rate):.0f} MB/s; "
-              f"load average {os.getloadavg()[0]:.1f}")
+            for name, read in cases.items():
+                read()  # the blocks back in the page cache if a neighbour dropped it
+                flat_dst.zero_()
+                cpu0, wall0 = time.process_time(), time.perf_counter()
+                hits = read()
+                cpu1, wall1 = time.process_time(), time.perf_counter()
+                missed = name == "kvtier get" and not all(all(r) for r in hits)
+                if missed or bytes(dest) != bytes(source):
+                    raise SystemExit(f"round {round_} ({name}): wrong or missing blocks "
+                                     f"({tier.counters.errors})")
+                cpu[name].append((cpu1 - cpu0) / n * 1e6)
+                rate[name].append(n * size / 1e6 / (wall1 - wall0))
+                print(f"round {round_} {name}: {cpu[name][-1]:.1f} us CPU per block, "
+                      f"{rate[name][-1]:.0f} MB/s")
+        for name in cases:
+            print(f"median {name}: {statistics.median(cpu[name]):.1f} us CPU per block, "
+                  f"{statistics.median(rate[name]):.0f} MB/s")
+        print(f"load average {os.getloadavg()[0]:.1f}")
+        pool.shutdown()
     finally:
         loop.run_until_complete(tier.close())
         loop.close()

@@ -65,6 +65,8 @@ TMP_SUFFIX = ".tmp"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _ZERO_PAGE = bytes(PAGE)
+#: how a block file is opened for reading (why: :func:`_open_block`)
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)  # Linux 4.14+; elsewhere every read is a plain one
 #: A raw block is read and hashed this many bytes at a time, so the checksum reads each piece while it
 #: is still in the CPU cache (half the 1 MiB L2 of a core where it was measured: docs/file-tier.md).
@@ -260,6 +262,7 @@ class FileTier(Tier):
         self._raw_headers = {gid: RawHeaders(self._fingerprints[gid], layout.nbytes, self.namespace_fp)
                              for gid, layout in self.layouts.items()}
         self._itemsize = {gid: layout.itemsize for gid, layout in self.layouts.items()}
+        self._block_nbytes = {gid: layout.nbytes for gid, layout in self.layouts.items()}
         self._raw_file_size = {gid: PAGE + _round_up(layout.nbytes) for gid, layout in self.layouts.items()}
         self._max_file_size = {gid: PAGE + _round_up(lz4_bound(layout.nbytes))
                                for gid, layout in self.layouts.items()}
@@ -341,18 +344,51 @@ class FileTier(Tier):
         file is a miss (dropped from the index); a corrupt or truncated one is a miss and deleted; an
         I/O error is a miss that keeps the file. Raises only :class:`LayoutMismatch` for wrong buffers.
         """
-        self.check_buffers(keys, out, "out")
-        arrays = [self._host_array(buf, "out") for buf in out]
-        jobs = [(i, key, size) for i, key in enumerate(keys) if (size := self._index.get(key)) is not None]
+        slots, reads = self._read_jobs(keys, out)
         start = time.perf_counter()
-        reads = [(key, size, arrays[i]) for i, key, size in jobs]
         outcomes = await self._on_io_threads(self._read_cached_block, reads, self._read_block)
         self.counters.read_seconds += time.perf_counter() - start
         hits = [False] * len(keys)
-        for (i, _, _), outcome in zip(jobs, outcomes, strict=True):
-            self._count(outcome, write=False)
-            hits[i] = outcome.error is None
+        counters = self.counters
+        read = nbytes = 0
+        for i, outcome in zip(slots, outcomes, strict=True):
+            if outcome.error is None:
+                hits[i] = True
+                read += 1
+                nbytes += outcome.device_bytes
+            else:
+                counters.error(outcome.error)
+        counters.blocks_read += read
+        counters.bytes_read += nbytes
         return hits
+
+    def _read_jobs(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor],
+                   ) -> tuple[list[int], list[tuple[BlockKey, int, np.ndarray]]]:
+        """Check ``out`` and list the indexed keys' reads: (their positions, ``(key, file size, array)``).
+
+        One pass over the batch on the event loop's thread (it holds the GIL the I/O threads want). The
+        checks are :meth:`check_buffers`'s and :meth:`_host_array`'s; on anything they would refuse,
+        they run and raise their own :class:`LayoutMismatch`.
+        """
+        if len(keys) == len(out):
+            index, nbytes = self._index, self._block_nbytes
+            uint8 = torch.uint8
+            slots: list[int] = []
+            reads: list[tuple[BlockKey, int, np.ndarray]] = []
+            for i, (key, buf) in enumerate(zip(keys, out, strict=True)):
+                if (buf.dtype != uint8 or buf.dim() != 1 or buf.numel() != nbytes.get(key.group_id)
+                        or not buf.is_contiguous() or buf.device.type != "cpu"):
+                    break
+                size = index.get(key)
+                if size is not None:
+                    slots.append(i)
+                    reads.append((key, size, buf.numpy()))
+            else:
+                return slots, reads
+        self.check_buffers(keys, out, "out")
+        for buf in out:
+            self._host_array(buf, "out")
+        raise AssertionError("unreachable: a buffer the fast check refused passed the full one")
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Answer from the in-memory index, without I/O (a ``get`` may still miss on a damaged file)."""
@@ -718,6 +754,35 @@ class FileTier(Tier):
         """
         if not self._nowait or self._direct_reads:
             return self._read_block(key, file_size, out)
+        group = key.group_id
+        size = out.nbytes
+        if file_size != self._raw_file_size[group] or size > READ_CHUNK:
+            return self._read_block(key, file_size, out, nowait=True)
+        # The warm raw block of at most one READ_CHUNK, inline (it is most reads): one open, one
+        # ``preadv`` of [header page, block] from the page cache, the header compared whole and the
+        # checksum taken. A block not all cached is put off as in _read_block; anything else, an
+        # exception included, goes the full way (:meth:`_read_block`), which reads again and sorts
+        # out misses, corrupt files and faults.
+        hex_hash = key.block_hash.hex()
+        page = self._scratch().read_page
+        path = f"{self._directory}/g{group}/{hex_hash[:2] or '00'}/{hex_hash}{BLOCK_SUFFIX}"
+        try:
+            fd = os.open(path, _READ_FLAGS)
+            try:
+                got = self._pread(fd, path, [page, out.data], 0, nowait=True)
+                if got is None:  # not all cached (or no RWF_NOWAIT here): read later, as _read_block does
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                    return None
+            finally:
+                os.close(fd)
+        except (OSError, CorruptBlock):
+            return self._read_block(key, file_size, out, nowait=True)
+        if got == PAGE + size:
+            digest = start_raw_check(page, self._raw_headers[group].of(key))
+            if digest is not None:
+                digest.update(out.data)
+                if finish_raw_check(page, digest):
+                    return _Outcome(None, PAGE + size)
         return self._read_block(key, file_size, out, nowait=True)
 
     def _read_block(self, key: BlockKey, file_size: int, out: np.ndarray,
@@ -1013,7 +1078,7 @@ def _open_block(path: str, flags: int = 0) -> int:
     forever. What is not a regular file then fails its read (``ESPIPE``, ``EISDIR``) or its header
     check: the hot path pays no ``fstat`` for a case that does not happen (:func:`_refuse_irregular`)."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | flags)
+        return os.open(path, _READ_FLAGS | flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise CorruptBlock(f"{path} is a symbolic link, not a block file") from None

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.blocks import BlockKey
+from kvtier.codec import _CHECKSUM_OFFSET
 from kvtier.errors import KVTierConfigError, LayoutMismatch
 from kvtier.layout import BlockLayout
 from kvtier.tiers import file as file_module
@@ -802,4 +803,73 @@ def test_direct_reads_use_o_direct_in_every_write_mode(tmp_path: Path, monkeypat
         ok, out = get_one(tier, k)
         assert ok and torch.equal(out, block)
     assert len(opened) == 2 and all(flags & os.O_DIRECT for flags in opened)
+    run(tier.close())
+
+
+# --- the warm raw read's inline path (_read_cached_block) ------------------------------------------------
+@pytest.mark.parametrize("damage", ["none", "payload", "header", "checksum", "truncate", "empty", "gone"])
+def test_warm_raw_reads_are_exact_and_damage_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        damage: str) -> None:
+    """A cached raw block is read by the inline path (no _read_block call) and is bit-exact; a flipped
+    byte anywhere, a short or empty file or a missing one is a miss (the others' blocks unharmed)."""
+    tier = make_tier(tmp_path)
+    if not tier._nowait:
+        pytest.skip("no RWF_NOWAIT reads here")
+    groups = [0, 0, 1, 2]
+    keys = [key(i, g) for i, g in enumerate(groups)]
+    blocks = [random_block(g, i) for i, g in enumerate(groups)]
+    assert run(tier.put(keys, blocks)) == [True] * 4
+    path = tier.path_of(keys[1])
+    data = bytearray(path.read_bytes())
+    if damage == "payload":
+        data[PAGE + 1234] ^= 0x40
+    elif damage == "header":
+        data[40] ^= 0x01
+    elif damage == "checksum":
+        data[_CHECKSUM_OFFSET] ^= 0x01
+    elif damage == "truncate":
+        data = data[:PAGE + 1000]
+    elif damage == "empty":
+        data = bytearray()
+    if damage == "gone":
+        path.unlink()
+    elif damage != "none":
+        path.write_bytes(bytes(data))
+    slow: list[BlockKey] = []
+    full_read = FileTier._read_block
+
+    def spy(self: FileTier, k: BlockKey, *args: object, **kwargs: object):
+        slow.append(k)
+        return full_read(self, k, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FileTier, "_read_block", spy)
+    out = [torch.zeros_like(b) for b in blocks]
+    hits = run(tier.get(keys, out))
+    assert hits == [True, damage == "none", True, True]
+    for hit, got, want in zip(hits, out, blocks, strict=True):
+        if hit:
+            assert torch.equal(got, want)
+    assert set(slow) <= {keys[1]}  # every intact block took the inline path
+    if damage == "none":
+        assert not slow and tier.counters.blocks_read == 4
+    else:
+        assert not path.exists() and keys[1] not in set(tier.keys())
+        assert tier.counters.blocks_read == 3
+        assert sum(tier.counters.errors.values()) == 1
+    run(tier.close())
+
+
+def test_get_refuses_wrong_out_buffers_by_name(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path)
+    keys = [key(0), key(1)]
+    good = torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8)
+    for bad in (torch.zeros(LAYOUTS[0].nbytes + 1, dtype=torch.uint8),
+                torch.zeros(LAYOUTS[0].nbytes // 2, dtype=torch.int16),
+                torch.zeros(2 * LAYOUTS[0].nbytes, dtype=torch.uint8)[::2]):
+        with pytest.raises(LayoutMismatch, match=r"out\[1\]"):
+            run(tier.get(keys, [good, bad]))
+    with pytest.raises(LayoutMismatch):
+        run(tier.get(keys, [good]))
+    with pytest.raises(LayoutMismatch):
+        run(tier.get([key(0, group=7)], [good]))
     run(tier.close())
