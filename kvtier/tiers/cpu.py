@@ -155,6 +155,14 @@ class CpuTier(Tier):
         self.counters.write_seconds += time.perf_counter() - start
         return ok
 
+    def _slab_of(self, keys: Sequence[BlockKey], caller: str) -> tuple[int, _Slab]:
+        """The group and slab of a batch whose keys all belong to one of this tier's groups."""
+        group_id = keys[0].group_id
+        slab = self._slabs.get(group_id)
+        if slab is None or not all_of_group(keys, group_id):
+            raise ValueError(f"{caller} takes keys of one group of CPU tier {self.name!r}")
+        return group_id, slab
+
     def put_with(self, keys: Sequence[BlockKey], fill: SlotFill) -> list[bool]:
         """:meth:`put_now` of blocks of one group that ``fill`` writes straight into their slots (an engine's
         pages gathered into the slab, with no buffer between): ``fill(slab, slots, placed)`` gets the
@@ -164,10 +172,7 @@ class CpuTier(Tier):
         """
         if not keys:
             return []
-        group_id = keys[0].group_id
-        slab = self._slabs.get(group_id)
-        if slab is None or not all_of_group(keys, group_id):
-            raise ValueError(f"put_with takes keys of one group of CPU tier {self.name!r}")
+        group_id, slab = self._slab_of(keys, "put_with")
         start = time.perf_counter()
         slots = self._slots.assign_many(group_id, keys)
         placed: list[int] | None = None
@@ -195,10 +200,7 @@ class CpuTier(Tier):
         ``KeyError`` for a key without a slot, as :meth:`views` does."""
         if not keys:
             return
-        group_id = keys[0].group_id
-        slab = self._slabs.get(group_id)
-        if slab is None or not all_of_group(keys, group_id):
-            raise ValueError(f"get_with takes keys of one group of CPU tier {self.name!r}")
+        group_id, slab = self._slab_of(keys, "get_with")
         start = time.perf_counter()
         slots = self._slots.slots_of(group_id, keys)
         if None in slots:
