@@ -367,8 +367,8 @@ class FileTier(Tier):
         """Check ``out`` and list the indexed keys' reads: (their positions, ``(key, file size, array)``).
 
         One pass over the batch on the event loop's thread (it holds the GIL the I/O threads want). The
-        checks are :meth:`check_buffers`'s and :meth:`_host_array`'s; on anything they would refuse,
-        they run and raise their own :class:`LayoutMismatch`.
+        checks are :meth:`check_buffers`'s and :meth:`_host_array`'s; on anything the pass refuses,
+        those run themselves and raise their own :class:`LayoutMismatch`.
         """
         if len(keys) == len(out):
             index, nbytes = self._index, self._block_nbytes
@@ -385,10 +385,11 @@ class FileTier(Tier):
                     reads.append((key, size, buf.numpy()))
             else:
                 return slots, reads
+        # a buffer the one-pass check refused: the full checks raise their own error naming it
         self.check_buffers(keys, out, "out")
-        for buf in out:
-            self._host_array(buf, "out")
-        raise AssertionError("unreachable: a buffer the fast check refused passed the full one")
+        arrays = [self._host_array(buf, "out") for buf in out]
+        indexed = [(i, key, size) for i, key in enumerate(keys) if (size := self._index.get(key)) is not None]
+        return [i for i, _, _ in indexed], [(key, size, arrays[i]) for i, key, size in indexed]
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Answer from the in-memory index, without I/O (a ``get`` may still miss on a damaged file)."""
@@ -763,9 +764,9 @@ class FileTier(Tier):
         # checksum taken. A block not all cached is put off as in _read_block; anything else, an
         # exception included, goes the full way (:meth:`_read_block`), which reads again and sorts
         # out misses, corrupt files and faults.
-        hex_hash = key.block_hash.hex()
+        shard, hex_hash = self._locate(key)
         page = self._scratch().read_page
-        path = f"{self._directory}/g{group}/{hex_hash[:2] or '00'}/{hex_hash}{BLOCK_SUFFIX}"
+        path = f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
         try:
             fd = os.open(path, _READ_FLAGS)
             try:
