@@ -6,7 +6,7 @@
 #
 #   here, once (network, no GPU):  bash benchmarks/run_gpu_checks.sh --fetch
 #       downloads into .whl/ (git-ignored) the few wheels kvtier needs that the GPU image lacks
-#       (pydantic and its parts, lz4, hypothesis), for the image's Python 3.12 — about 4 MiB;
+#       (pydantic and its parts, lz4, hypothesis, redis-py for the config tests), for the image's Python 3.12 — about 4 MiB;
 #   then on the GPU, one call:     device run, command "bash benchmarks/run_gpu_checks.sh",
 #                                  carry [".whl"], timeout_s 450 (it normally takes 2-3 minutes)
 #
@@ -30,7 +30,7 @@ if [ "${1:-}" = "--fetch" ]; then
   versions=$("$PYTHON" - <<'EOF'
 import importlib.metadata as metadata
 names = ["pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "lz4",
-         "hypothesis", "attrs", "sortedcontainers"]
+         "hypothesis", "attrs", "sortedcontainers", "redis"]
 print(" ".join(f"{name}=={metadata.version(name)}" for name in names))
 EOF
   ) || { echo "install kvtier here first (pip install -e '.[test]'): its versions are the ones fetched" >&2; exit 1; }

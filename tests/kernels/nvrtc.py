@@ -115,6 +115,17 @@ def cupy_options(nvrtc_version: tuple[int, int], *, cubin: bool = True, arch: in
     return options + (f"-arch={'sm' if cubin else 'compute'}_{arch}",)
 
 
+def ptxas_report_options(nvrtc_version: tuple[int, int]) -> tuple[str, ...]:
+    """Options that make ptxas list each kernel's registers and spills in the program log.
+
+    NVRTC 12.9 and later cache compiles, and a cached compile writes no ptxas report: on a machine
+    where the same source was built before (CuPy's first transfer, an earlier test) the log came back
+    empty. ``--no-cache`` makes every report-compile run ptxas.
+    """
+    options = ("-Xptxas=-v", "-Xptxas=-warn-spills")
+    return options + (("--no-cache",) if nvrtc_version >= (12, 9) else ())
+
+
 def compile_source(library_path: Path, source: str, options: tuple[str, ...],
                    name: str = "copy_blocks.cu") -> NvrtcResult:
     """Compile ``source`` with the NVRTC at ``library_path``; the cubin when ``-arch=sm_XX``, else PTX."""
@@ -155,7 +166,7 @@ def main() -> int:
     for library in libraries:
         for source in cuda.KERNEL_SOURCES:
             nvrtc_version = library_version(library)
-            options = cupy_options(nvrtc_version) + ("-Xptxas=-v", "-Xptxas=-warn-spills")
+            options = cupy_options(nvrtc_version) + ptxas_report_options(nvrtc_version)
             result = compile_source(library, cuda.kernel_source(source), options, source)
             label = f"NVRTC {nvrtc_version[0]}.{nvrtc_version[1]} ({library.name}), {source}, sm_{ARCH}"
             if not result.ok:

@@ -78,7 +78,8 @@ def test_nvrtc_compiles_the_shipped_source_as_cupy_does(library: Path, cubin: bo
 
 
 def test_nvrtc_build_fits_the_launch_bounds_without_spills(library: Path) -> None:
-    result = compile_shipped(library, cubin=True, extra=("-Xptxas=-v", "-Xptxas=-warn-spills"))
+    result = compile_shipped(library, cubin=True,
+                             extra=nvrtc.ptxas_report_options(nvrtc.library_version(library)))
     assert result.ok, result.log
     used = result.resources()
     assert sorted(used) == sorted(KERNELS), result.log
