@@ -6,7 +6,7 @@
 // points. Host memory is reached through mapped (UVA) pointers of page-locked slots, so one launch
 // moves many blocks in either direction: GPU <-> GPU, GPU -> pinned host, pinned host -> GPU.
 //
-// Every move is cut into *pieces* (one whole block for copy_blocks; one (block, layer, K|V) slab of
+// Every move is cut into *pieces* (one chunk of a block for copy_blocks; one (block, layer, K|V) slab of
 // block_size x heads x head_dim for pack/unpack). A piece is `rows` rows of `row_bytes`; row r sits
 // at (r / inner) * outer_stride + (r % inner) * inner_stride on each side, which covers both the
 // contiguous case (rows = 1) and an NHD <-> HND transpose (rows of head_dim elements). Rows move in
@@ -77,16 +77,24 @@ __device__ __forceinline__ void copy_piece_unit(u8* dst, const u8* src, const Ro
 
 // dst_base + dst_ids[i] * dst_stride  <-  src_base + src_ids[i] * src_stride, block_bytes each.
 // Either base may be a mapped pinned-host pointer; base 0 with stride 1 makes the ids plain addresses.
-// One piece per block.
+// A piece is one chunk_bytes slice of a block (the last one shorter): cutting blocks into chunks keeps
+// every SM busy when a call moves fewer blocks than the grid has CUDA blocks (64 blocks of 2 MiB left
+// half of an H200's SMs idle with one piece per block). chunk_bytes is a multiple of 16, so a chunk
+// starts as aligned as its block.
 KVTIER_KERNEL kvtier_copy_blocks(const u8* __restrict__ src_base, const i64* __restrict__ src_ids,
                                  i64 src_stride, u8* __restrict__ dst_base,
                                  const i64* __restrict__ dst_ids, i64 dst_stride, i64 num_blocks,
-                                 i64 block_bytes, int unit) {
+                                 i64 block_bytes, i64 chunk_bytes, int unit) {
     RowGeometry g;
-    g.rows = 1; g.row_bytes = block_bytes; g.inner = 1;
+    g.rows = 1; g.inner = 1;
     g.src_outer = 0; g.src_inner = 0; g.dst_outer = 0; g.dst_inner = 0;
-    for (i64 i = blockIdx.x; i < num_blocks; i += gridDim.x) {
-        copy_piece_unit(dst_base + dst_ids[i] * dst_stride, src_base + src_ids[i] * src_stride, g, unit);
+    const i64 chunks = (block_bytes + chunk_bytes - 1) / chunk_bytes;
+    for (i64 p = blockIdx.x; p < num_blocks * chunks; p += gridDim.x) {
+        const i64 i = p / chunks;
+        const i64 offset = (p - i * chunks) * chunk_bytes;
+        g.row_bytes = block_bytes - offset < chunk_bytes ? block_bytes - offset : chunk_bytes;
+        copy_piece_unit(dst_base + dst_ids[i] * dst_stride + offset, src_base + src_ids[i] * src_stride + offset,
+                        g, unit);
     }
 }
 

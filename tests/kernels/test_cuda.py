@@ -188,7 +188,8 @@ def test_gpu_pack_unpack_equal_fallback(per_layer: PerLayerLayout, token_layout:
 
 
 @requires_gpu
-@pytest.mark.parametrize("block_bytes", [4096, 4096 + 6, 3])
+@pytest.mark.parametrize("block_bytes", [4096, 4096 + 6, 3, cuda.COPY_CHUNK_BYTES,
+                                         3 * cuda.COPY_CHUNK_BYTES + 6])  # several chunks, a short last one
 def test_gpu_copy_blocks_equal_fallback_both_directions(block_bytes: int) -> None:
     src = torch.randint(0, 256, (8, block_bytes), dtype=torch.uint8, device="cuda")
     host = torch.zeros((8, block_bytes), dtype=torch.uint8).pin_memory()
@@ -223,3 +224,14 @@ def test_reachable_asks_once_per_allocation_whether_it_is_page_locked(
     assert cuda.reachable(list(other), torch.device("cpu"))  # the kernel's own device needs no query
     with pytest.raises(LayoutMismatch, match=r"blocks\[2\] is on cpu, which a kernel on cuda:0 cannot reach"):
         cuda._block_addresses([slab[0], slab[1], other[0]], None, gpu, "blocks")
+
+
+def test_block_views_are_checked_in_one_pass_and_a_bad_one_is_named() -> None:
+    slab = torch.zeros((8, 32), dtype=torch.uint8)
+    gpu = torch.device("cuda", 0)
+    expected = r"blocks\[1\] must be a contiguous 1-D uint8 view of 32 bytes, got "
+    for bad, got in ((slab[0, :16], r"torch.uint8 \(16,\)"),
+                     (slab[0].view(torch.int32), r"torch.int32 \(8,\)"),
+                     (torch.zeros((32, 2), dtype=torch.uint8)[:, 0], r"torch.uint8 \(32,\)")):  # strided
+        with pytest.raises(LayoutMismatch, match=expected + got):
+            cuda._block_addresses([slab[0], bad, slab[2]], None, gpu, "blocks")
