@@ -193,6 +193,21 @@ def report(header: list[str], bandwidth: dict[str, float], paths: list[dict[str,
         lines.append(f"| {row['shape']:<22} | {row['layout']:<11} | {row['path']:<27} | {row['store']:8.1f} "
                      f"| {100 * row['store'] / bandwidth['store']:6.1f}% | {row['load']:8.1f} "
                      f"| {100 * row['load'] / bandwidth['load']:6.1f}% |")
+    lines += ["", "Cross-layer blocks (best of copy engine and copy kernel) over per-layer pages moved one "
+                  "cudaMemcpyAsync per (layer, K|V) piece (vLLM's per-layer way), and over the pack kernel:",
+              ""]
+    for shape in SHAPES:
+        rows = {(row["layout"], row["method"]): row for row in paths if row.get("shape") == shape}
+        if len(rows) < 4:
+            continue
+        ratios = []
+        for direction, name in (("store", "D2H"), ("load", "H2D")):
+            best = max(rows[("cross-layer", "copy_engine")][direction],
+                       rows[("cross-layer", "kernel")][direction])
+            per_piece = best / rows[("per-layer", "copy_engine")][direction]
+            packed = best / rows[("per-layer", "kernel")][direction]
+            ratios.append(f"{name} {per_piece:.1f}x the per-piece loop, {packed:.2f}x the pack kernel")
+        lines.append(f"- {shape}: " + "; ".join(ratios))
     lines += ["", "Crossover sweep: cross-layer blocks, copy kernel vs copy engine "
                   "(one cudaMemcpyAsync per block), GB/s",
               "", "| block | blocks/call | kernel D2H | engine D2H | kernel H2D | engine H2D |",
@@ -252,6 +267,7 @@ def main() -> None:
     print("\n".join(header), flush=True)
 
     bandwidth = limit(args.limit_mib << 20, args.repeat)
+    failures: list[str] = []
     paths: list[dict[str, Any]] = [{"shape": "large pinned copy", "layout": f"{args.limit_mib} MiB",
                                     "path": "copy engine", "store": bandwidth["store"],
                                     "load": bandwidth["load"]}]
@@ -259,7 +275,12 @@ def main() -> None:
         host = torch.empty((args.blocks, block.nbytes), dtype=torch.uint8, pin_memory=True)
         for cross_layer, layout in ((True, "cross-layer"), (False, "per-layer")):
             for method in ("copy_engine", "kernel"):
-                store, load = bench_path(block, cross_layer, method, args.blocks, host, args.repeat)
+                try:
+                    store, load = bench_path(block, cross_layer, method, args.blocks, host, args.repeat)
+                except (Exception, SystemExit) as error:  # one GPU run: report the rest, fail at the end
+                    failures.append(f"{shape} {layout} {method}: {error}")
+                    print(f"  FAILED {failures[-1]}", flush=True)
+                    store = load = float("nan")
                 torch.cuda.empty_cache()
                 label = {"copy_engine": ("cudaMemcpyAsync per block" if cross_layer
                                          else "cudaMemcpyAsync per piece"),
@@ -273,14 +294,21 @@ def main() -> None:
     sweep: list[dict[str, Any]] = []
     for count in (SWEEP_SMALL_COUNT, args.blocks):
         for block_bytes in SWEEP_BYTES:
-            sweep.append({"block_bytes": block_bytes, "count": count,
-                          **sweep_point(block_bytes, count, args.repeat)})
+            try:
+                point = sweep_point(block_bytes, count, args.repeat)
+            except (Exception, SystemExit) as error:
+                failures.append(f"sweep {kib(block_bytes)} x {count}: {error}")
+                print(f"  FAILED {failures[-1]}", flush=True)
+                point = {f"{method}_{direction}": float("nan") for method in ("kernel", "copy_engine")
+                         for direction in ("store", "load")}
+            sweep.append({"block_bytes": block_bytes, "count": count, **point})
             torch.cuda.empty_cache()
         print(f"  crossover sweep at {count} blocks/call done", flush=True)
 
     lines, targets, crossover = report(header, bandwidth, paths, sweep, args.blocks)
-    lines += ["", f"all paths verified bit for bit against kvtier.kernels.fallback; "
-              f"{time.perf_counter() - started:.0f} s"]
+    lines += ["", (f"FAILED: {'; '.join(failures)}" if failures else
+                   "all paths verified bit for bit against kvtier.kernels.fallback")
+              + f"; {time.perf_counter() - started:.0f} s"]
     print("\n" + "\n".join(lines[len(header):]))
     args.out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
@@ -292,6 +320,8 @@ def main() -> None:
         "targets": [{"target": n, "met": m, "measured": v} for n, m, v in targets],
     }, indent=1) + "\n")
     print(f"wrote {args.out / f'gpu_{slug}.md'} and .json")
+    if failures:
+        raise SystemExit(f"bench_gpu: {len(failures)} path(s) failed: " + "; ".join(failures))
 
 
 if __name__ == "__main__":
