@@ -144,11 +144,12 @@ class TransferConfig(_Strict):
     """Kernel or copy engine for GPU transfers (:class:`kvtier.tiers.gpu.TransferChoice`).
 
     ``auto`` sends pieces smaller than ``crossover`` through the batched kernel and larger ones
-    through the copy engine; ``benchmarks/bench_gpu.py`` measures the crossover of a machine.
+    through the copy engine; ``benchmarks/bench_gpu.py`` measures the crossover of a machine (1 MiB on
+    an H200: ``kvtier.tiers.gpu.DEFAULT_CROSSOVER_BYTES``, which this must equal; config stays torch-free).
     """
 
     method: Literal["auto", "kernel", "copy_engine"] = "auto"
-    crossover: Size = 64 * 1024
+    crossover: Size = 1024 * 1024
 
     @field_validator("crossover", mode="before")
     @classmethod

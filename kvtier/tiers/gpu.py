@@ -28,10 +28,11 @@ from kvtier.tiers.slots import SlotAllocator
 #: ``kernel``: one launch of the CUDA kernels; ``copy_engine``: one cudaMemcpyAsync per contiguous run;
 #: ``auto``: by piece size against the crossover.
 TransferMethod = Literal["auto", "kernel", "copy_engine"]
-#: Pieces below this size go through the kernel, larger ones through the copy engine. PCIe Gen5 copies
-#: under ~28 KiB crawl at 4–7 GB/s while ≥ 64 KiB ones reach ~50 GB/s (vLLM PR #42212); to be replaced
-#: by the crossover ``benchmarks/bench_gpu.py`` measures on the H200 (its "crossover" table).
-DEFAULT_CROSSOVER_BYTES = 64 * 1024
+#: Pieces below this size go through the kernel, larger ones through the copy engine. Measured on an H200
+#: (benchmarks/results/gpu_nvidia_h200.md): the kernel is 1.1-9x faster than one cudaMemcpyAsync per
+#: block under 1 MiB at 64 and 1024 blocks a call; from 1 MiB the copy engine is within a few percent
+#: (ahead at 64 blocks a call) and leaves the SMs to the model, so it takes those.
+DEFAULT_CROSSOVER_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
