@@ -90,8 +90,11 @@ def random_kv(block: BlockLayout, num_blocks: int, cross_layer: bool) -> list[to
 
 
 def bench_path(block: BlockLayout, cross_layer: bool, method: str, num_blocks: int, host: torch.Tensor,
-               repeat: int) -> tuple[float, float]:
-    """(store GB/s, load GB/s) of one EngineKV path, both verified against the fallback."""
+               repeat: int, slab: bool = False) -> tuple[float, float]:
+    """(store GB/s, load GB/s) of one EngineKV path, both verified against the fallback.
+
+    Slots are ``num_blocks`` 1-D views of ``host``'s rows, or with ``slab`` the whole ``host`` and a
+    random permutation of row ids (what a CPU tier's scattered slots look like)."""
     from kvtier.tiers.gpu import EngineKV, TransferChoice
 
     engine_blocks = num_blocks + num_blocks // 8
@@ -99,22 +102,24 @@ def bench_path(block: BlockLayout, cross_layer: bool, method: str, num_blocks: i
     engine = EngineKV(layers, block_size=block.block_size, num_kv_heads=block.num_kv_heads,
                       head_dim=block.head_dim, transfer=TransferChoice(method))  # type: ignore[arg-type]
     assert engine.detected.cross_layer is cross_layer
-    slots = list(host[:num_blocks])
+    slot_rows = torch.randperm(num_blocks) if slab else None
+    slots: torch.Tensor | list[torch.Tensor] = host if slab else list(host[:num_blocks])
     ids = torch.randperm(engine_blocks)[:num_blocks]
     nbytes = num_blocks * block.nbytes
     what = f"{method} ({'cross-layer' if cross_layer else 'per-layer'}, {block.describe()})"
 
-    engine.store(ids, slots).wait()  # warm-up: compiles the kernels
-    store = nbytes / timed(lambda: engine.store(ids, slots).wait(), repeat) / 1e9
+    engine.store(ids, slots, slot_rows).wait()  # warm-up: compiles the kernels
+    store = nbytes / timed(lambda: engine.store(ids, slots, slot_rows).wait(), repeat) / 1e9
     expected = torch.empty((num_blocks, *block.shape), dtype=block.dtype, device="cuda")
     fallback.pack_blocks(layers, ids, PER_LAYER, block, expected)
-    if not torch.equal(host[:num_blocks].cuda(), expected.view(torch.uint8).view(num_blocks, -1)):
+    stored = host[slot_rows] if slot_rows is not None else host[:num_blocks]
+    if not torch.equal(stored.cuda(), expected.view(torch.uint8).view(num_blocks, -1)):
         raise SystemExit(f"store via {what} differs from the fallback")
 
     load_ids = torch.randperm(engine_blocks)[:num_blocks]
     reference = [layer.clone() for layer in layers]
     fallback.unpack_blocks(expected, reference, load_ids, PER_LAYER, block)
-    load = nbytes / timed(lambda: engine.load(slots, load_ids).wait(), repeat) / 1e9
+    load = nbytes / timed(lambda: engine.load(slots, load_ids, slot_rows).wait(), repeat) / 1e9
     if not all(torch.equal(a.view(torch.int16), b.view(torch.int16))
                for a, b in zip(layers, reference, strict=True)):
         raise SystemExit(f"load via {what} differs from the fallback")
@@ -174,6 +179,18 @@ def measured_crossover(sweep: list[dict[str, Any]], count: int) -> int | None:
     return None
 
 
+def views_rows(paths: list[dict[str, Any]], shape: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """``shape``'s paths with slot views (like for like with the per-piece loop), by (layout, method)."""
+    return {(row["layout"], row["method"]): row for row in paths
+            if row.get("shape") == shape and row.get("slots", "views") == "views"}
+
+
+def best_cross_layer(paths: list[dict[str, Any]], shape: str, direction: str) -> float:
+    """The fastest cross-layer path of ``shape`` in ``direction``, whatever its method or slot form."""
+    return max(row[direction] for row in paths
+               if row.get("shape") == shape and row["layout"] == "cross-layer")
+
+
 def kib(num_bytes: int) -> str:
     return f"{num_bytes >> 20} MiB" if num_bytes >= 1 << 20 else f"{num_bytes >> 10} KiB"
 
@@ -186,24 +203,23 @@ def report(header: list[str], bandwidth: dict[str, float], paths: list[dict[str,
     from kvtier.tiers.gpu import DEFAULT_CROSSOVER_BYTES
 
     crossover = measured_crossover(sweep, blocks)
-    lines = [*header, "", f"| {'shape':<22} | {'layout':<11} | {'path':<27} | {'D2H GB/s':>8} "
+    lines = [*header, "", f"| {'shape':<22} | {'layout':<11} | {'path':<36} | {'D2H GB/s':>8} "
              f"| {'% limit':>7} | {'H2D GB/s':>8} | {'% limit':>7} |",
-             f"|{'-' * 24}|{'-' * 13}|{'-' * 29}|{'-' * 10}|{'-' * 9}|{'-' * 10}|{'-' * 9}|"]
+             f"|{'-' * 24}|{'-' * 13}|{'-' * 38}|{'-' * 10}|{'-' * 9}|{'-' * 10}|{'-' * 9}|"]
     for row in paths:
-        lines.append(f"| {row['shape']:<22} | {row['layout']:<11} | {row['path']:<27} | {row['store']:8.1f} "
+        lines.append(f"| {row['shape']:<22} | {row['layout']:<11} | {row['path']:<36} | {row['store']:8.1f} "
                      f"| {100 * row['store'] / bandwidth['store']:6.1f}% | {row['load']:8.1f} "
                      f"| {100 * row['load'] / bandwidth['load']:6.1f}% |")
-    lines += ["", "Cross-layer blocks (best of copy engine and copy kernel) over per-layer pages moved one "
+    lines += ["", "Cross-layer blocks (best cross-layer path) over per-layer pages moved one "
                   "cudaMemcpyAsync per (layer, K|V) piece (vLLM's per-layer way), and over the pack kernel:",
               ""]
     for shape in SHAPES:
-        rows = {(row["layout"], row["method"]): row for row in paths if row.get("shape") == shape}
+        rows = views_rows(paths, shape)
         if len(rows) < 4:
             continue
         ratios = []
         for direction, name in (("store", "D2H"), ("load", "H2D")):
-            best = max(rows[("cross-layer", "copy_engine")][direction],
-                       rows[("cross-layer", "kernel")][direction])
+            best = best_cross_layer(paths, shape, direction)
             per_piece = best / rows[("per-layer", "copy_engine")][direction]
             packed = best / rows[("per-layer", "kernel")][direction]
             ratios.append(f"{name} {per_piece:.1f}x the per-piece loop, {packed:.2f}x the pack kernel")
@@ -223,10 +239,9 @@ def report(header: list[str], bandwidth: dict[str, float], paths: list[dict[str,
 
     targets: list[tuple[str, bool, str]] = []
     for shape in SHAPES:
-        rows = {(row["layout"], row["method"]): row for row in paths if row["shape"] == shape}
+        rows = views_rows(paths, shape)
         for direction, name in (("store", "D2H"), ("load", "H2D")):
-            best = max(rows[("cross-layer", "copy_engine")][direction],
-                       rows[("cross-layer", "kernel")][direction])
+            best = best_cross_layer(paths, shape, direction)
             share = best / bandwidth[direction]
             targets.append((f"{shape} cross-layer {name} ≥ 90% of the limit", share >= 0.9,
                             f"{100 * share:.1f}%"))
@@ -274,9 +289,9 @@ def main() -> None:
     for shape, block in SHAPES.items():
         host = torch.empty((args.blocks, block.nbytes), dtype=torch.uint8, pin_memory=True)
         for cross_layer, layout in ((True, "cross-layer"), (False, "per-layer")):
-            for method in ("copy_engine", "kernel"):
+            for method, slab in (("copy_engine", False), ("kernel", False), ("kernel", True)):
                 try:
-                    store, load = bench_path(block, cross_layer, method, args.blocks, host, args.repeat)
+                    store, load = bench_path(block, cross_layer, method, args.blocks, host, args.repeat, slab)
                 except (Exception, SystemExit) as error:  # one GPU run: report the rest, fail at the end
                     failures.append(f"{shape} {layout} {method}: {error}")
                     print(f"  FAILED {failures[-1]}", flush=True)
@@ -285,9 +300,11 @@ def main() -> None:
                 label = {"copy_engine": ("cudaMemcpyAsync per block" if cross_layer
                                          else "cudaMemcpyAsync per piece"),
                          "kernel": "copy kernel" if cross_layer else "pack/unpack kernel"}[method]
+                label += ", slab + slot ids" if slab else ""
                 paths.append({"shape": shape, "layout": layout, "path": label, "method": method,
-                              "block_bytes": block.nbytes, "store": store, "load": load})
-                print(f"  {shape:<22} {layout:<11} {label:<27} D2H {store:6.1f} GB/s  H2D {load:6.1f} GB/s",
+                              "slots": "slab" if slab else "views", "block_bytes": block.nbytes,
+                              "store": store, "load": load})
+                print(f"  {shape:<22} {layout:<11} {label:<36} D2H {store:6.1f} GB/s  H2D {load:6.1f} GB/s",
                       flush=True)
         del host
 

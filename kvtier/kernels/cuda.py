@@ -176,23 +176,25 @@ def piece_byte_addresses(geometry: PieceGeometry, layer_ptrs: torch.Tensor, bloc
 
 def pack_blocks(layers: Sequence[torch.Tensor], block_ids: torch.Tensor, per_layer: PerLayerLayout,
                 block: BlockLayout, out: torch.Tensor | Sequence[torch.Tensor], *,
-                stream: torch.cuda.Stream | None = None) -> None:
+                stream: torch.cuda.Stream | None = None, out_ids: torch.Tensor | None = None) -> None:
     """Gather engine blocks ``block_ids`` of every CUDA layer into cross-layer blocks ``out`` with one launch.
 
-    ``out`` is ``[n, *block.shape]`` (device or page-locked host memory, each block contiguous) or a
-    sequence of ``n`` 1-D uint8 slot views of ``block.nbytes`` (e.g. CPU-tier slots). Enqueued on
-    ``stream`` (default: the current stream); returns without waiting. ``block_ids`` must be valid
-    (unlike the fallback, nothing here syncs the device to range-check them).
+    ``out`` is ``[n, *block.shape]`` (device or page-locked host memory, each block contiguous), a
+    buffer of blocks with ``out_ids`` naming the ``n`` it fills (e.g. a pinned slab of
+    ``block.nbytes`` rows), or a sequence of ``n`` 1-D uint8 slot views of ``block.nbytes`` (e.g.
+    CPU-tier slots). Enqueued on ``stream`` (default: the current stream); returns without waiting.
+    ``block_ids`` and ``out_ids`` must be valid (unlike the fallback, nothing here syncs the device to
+    range-check them).
     """
-    _launch_pieces("kvtier_pack_blocks", layers, block_ids, per_layer, block, out, stream)
+    _launch_pieces("kvtier_pack_blocks", layers, block_ids, per_layer, block, out, stream, out_ids)
 
 
 def unpack_blocks(blocks: torch.Tensor | Sequence[torch.Tensor], layers: Sequence[torch.Tensor],
                   block_ids: torch.Tensor, per_layer: PerLayerLayout, block: BlockLayout, *,
-                  stream: torch.cuda.Stream | None = None) -> None:
-    """Scatter cross-layer blocks back into engine blocks ``block_ids`` of every layer (one launch, no
-    repeats)."""
-    _launch_pieces("kvtier_unpack_blocks", layers, block_ids, per_layer, block, blocks, stream)
+                  stream: torch.cuda.Stream | None = None, blocks_ids: torch.Tensor | None = None) -> None:
+    """Scatter cross-layer blocks (rows ``blocks_ids`` of a buffer, when given) back into engine blocks
+    ``block_ids`` of every layer (one launch, no repeats)."""
+    _launch_pieces("kvtier_unpack_blocks", layers, block_ids, per_layer, block, blocks, stream, blocks_ids)
 
 
 def copy_blocks(src: torch.Tensor | Sequence[torch.Tensor], src_ids: torch.Tensor | None,
@@ -267,7 +269,7 @@ def _launch_copy(device: torch.device, stream: torch.cuda.Stream, src_base: Any,
 def _launch_pieces(kernel: str, layers: Sequence[torch.Tensor], block_ids: torch.Tensor,
                    per_layer: PerLayerLayout, block: BlockLayout,
                    cross: torch.Tensor | Sequence[torch.Tensor],
-                   stream: torch.cuda.Stream | None) -> None:
+                   stream: torch.cuda.Stream | None, cross_ids: torch.Tensor | None = None) -> None:
     require_cuda()
     geometry = piece_geometry(layers, per_layer, block)
     device = layers[0].device
@@ -275,16 +277,19 @@ def _launch_pieces(kernel: str, layers: Sequence[torch.Tensor], block_ids: torch
         raise LayoutMismatch(f"the CUDA kernels need CUDA layers, got {device}; use kvtier.kernels.fallback")
     stream = _resolve_stream(device, stream)
     with torch.cuda.stream(stream):
-        _pack_pieces(kernel, device, stream, geometry, layers, block_ids, block, cross)
+        _pack_pieces(kernel, device, stream, geometry, layers, block_ids, block, cross, cross_ids)
 
 
 def _pack_pieces(kernel: str, device: torch.device, stream: torch.cuda.Stream, geometry: PieceGeometry,
                  layers: Sequence[torch.Tensor], block_ids: torch.Tensor, block: BlockLayout,
-                 cross: torch.Tensor | Sequence[torch.Tensor]) -> None:
-    if isinstance(cross, torch.Tensor):
+                 cross: torch.Tensor | Sequence[torch.Tensor], chosen: torch.Tensor | None) -> None:
+    if isinstance(cross, torch.Tensor) and chosen is None:
         fallback._check_block_tensor(cross, block, block_ids.numel(), cross.device, "blocks")
-    cross_base, cross_ids, cross_stride, cross_bytes, cross_align = _block_addresses(
-        cross, torch.arange(block_ids.numel()) if isinstance(cross, torch.Tensor) else None, device, "blocks")
+        chosen = torch.arange(block_ids.numel())
+    elif chosen is not None and not isinstance(cross, torch.Tensor):
+        raise LayoutMismatch("ids of cross-layer blocks name rows of a buffer; a list of views needs none")
+    cross_base, cross_ids, cross_stride, cross_bytes, cross_align = _block_addresses(cross, chosen, device,
+                                                                                     "blocks")
     if cross_bytes != block.nbytes or cross_ids.numel() != block_ids.numel():
         raise LayoutMismatch(f"{block_ids.numel()} block ids need {block_ids.numel()} cross-layer blocks of "
                              f"{block.nbytes} bytes, got {cross_ids.numel()} of {cross_bytes}")

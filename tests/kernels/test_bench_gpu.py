@@ -87,3 +87,20 @@ def test_without_cuda_it_says_so_and_exits() -> None:
     result = subprocess.run([sys.executable, str(SCRIPT), "--blocks", "4"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode != 0 and "no CUDA device" in result.stderr
+
+
+def test_a_slab_path_counts_for_the_cross_layer_target_not_the_per_piece_ratio(bench: ModuleType) -> None:
+    rows = paths(bench, cross=44.0, per_piece=5.0, pack=40.0)
+    for shape in bench.SHAPES:
+        rows.append({"shape": shape, "layout": "cross-layer", "path": "copy kernel, slab + slot ids",
+                     "method": "kernel", "slots": "slab", "store": 47.0, "load": 47.0})
+        rows.append({"shape": shape, "layout": "per-layer", "path": "pack/unpack kernel, slab + slot ids",
+                     "method": "kernel", "slots": "slab", "store": 49.0, "load": 49.0})
+    sweep = sweep_rows(bench, 1024, 1 << 40)
+    lines, targets, _ = bench.report([], {"store": 50.0, "load": 50.0}, rows, sweep, 1024)
+    measured = {name: value for name, _, value in targets}
+    assert measured["llama-3.1-8b (2 MiB) cross-layer D2H ≥ 90% of the limit"] == "94.0%"  # the slab row
+    # like for like: the views pack kernel (40) over the per-piece loop (5)
+    assert measured["llama-3.1-8b (2 MiB) pack kernel D2H ≥ 4x the per-piece copy loop"] == "8.0x"
+    assert "| 70b tp=8 (640 KiB)     | per-layer   | pack/unpack kernel, slab + slot ids  |" \
+        in "\n".join(lines)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.errors import KVTierConfigError, TierUnavailable
+from kvtier.errors import KVTierConfigError, LayoutMismatch, TierUnavailable
 from kvtier.kernels import fallback
 from kvtier.layout import BlockLayout, PerLayerKind, PerLayerLayout
 from kvtier.tiers.gpu import DEFAULT_CROSSOVER_BYTES, TransferChoice
@@ -98,6 +98,49 @@ def test_engine_kv_store_load_round_trip_through_pinned_cpu_slots(cross_layer: b
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                for a, b in zip(layers, before, strict=True))
     asyncio.run(tier.close())
+
+
+@requires_gpu
+@pytest.mark.parametrize("cross_layer", [True, False])
+@pytest.mark.parametrize("method", ["kernel", "copy_engine"])
+def test_engine_kv_moves_rows_of_a_pinned_slab_by_slot_id(cross_layer: bool, method: Any) -> None:
+    """The slab form (one 2-D tensor + slot ids) writes and reads exactly the rows the ids name."""
+    from kvtier.detect import make_cross_layer_kv
+    from kvtier.tiers.gpu import EngineKV
+
+    per_layer = PerLayerLayout(PerLayerKind.FLASH_ATTN)
+    if cross_layer:
+        base, layers = make_cross_layer_kv(10, BLOCK, "cuda")
+        base.view(torch.uint8).copy_(torch.randint(0, 256, base.view(torch.uint8).shape, dtype=torch.uint8))
+    else:
+        layers = [torch.randint(0, 256, per_layer.layer_shape(10, BLOCK), dtype=torch.int16, device="cuda"
+                                ).view(BLOCK.dtype) for _ in range(BLOCK.num_layers)]
+    engine = EngineKV(layers, block_size=16, num_kv_heads=2, head_dim=64, transfer=TransferChoice(method))
+    slab = torch.full((8, BLOCK.nbytes), 7, dtype=torch.uint8).pin_memory()
+    ids, rows = [6, 2, 9], [5, 0, 3]
+    engine.store(ids, slab, rows).wait()
+    expected = torch.empty((3, *BLOCK.shape), dtype=BLOCK.dtype, device="cuda")
+    fallback.pack_blocks(layers, torch.tensor(ids), per_layer, BLOCK, expected)
+    assert torch.equal(slab[rows].cuda(), expected.view(torch.uint8).view(3, -1))
+    untouched = [row for row in range(8) if row not in rows]
+    assert bool((slab[untouched] == 7).all())
+    before = [layer.clone() for layer in layers]
+    engine.load(slab, [0, 1, 4], torch.tensor([3, 5, 0])).wait()
+    fallback.unpack_blocks(slab[[3, 5, 0]].cuda().view(BLOCK.dtype).view(3, *BLOCK.shape), before,
+                           torch.tensor([0, 1, 4]), per_layer, BLOCK)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(layers, before, strict=True))
+
+    with pytest.raises(LayoutMismatch, match=r"slot ids must lie in \[0, 8\).*\[8\]"):
+        engine.store([1], slab, [8])
+    with pytest.raises(LayoutMismatch, match=r"a slab of slots must be a 2-D uint8 tensor of contiguous"):
+        engine.store([1], slab[:, :64], [0])
+    with pytest.raises(LayoutMismatch, match=r"2 engine block ids but 1 slot ids"):
+        engine.store([1, 2], slab, [0])
+    with pytest.raises(LayoutMismatch, match=r"slot_ids name rows of a slab tensor"):
+        engine.store([1], list(slab[:1]), [0])
+    with pytest.raises(LayoutMismatch, match=r"the slab is on cpu, which cuda:0 cannot reach"):
+        engine.store([1], torch.zeros((2, BLOCK.nbytes), dtype=torch.uint8), [0])
 
 
 # --- GPU: the tier's own put/get ----------------------------------------------------------------------------
