@@ -394,6 +394,15 @@ def _resolve_stream(device: torch.device, stream: torch.cuda.Stream | None) -> t
     return stream if stream is not None else torch.cuda.current_stream(device)
 
 
+def _cupy_stream(cupy: Any, stream: torch.cuda.Stream, index: int) -> Any:
+    """``stream`` as a CuPy stream: through the CUDA stream protocol where CuPy has it (CuPy 14 deprecates
+    ``ExternalStream``), else by its handle."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, index)
+
+
 def _launch(device: torch.device, stream: torch.cuda.Stream, kernel: str, pieces: int,
             *args: Any) -> None:
     """Launch ``kernel`` on ``stream``; tensors in ``args`` become pointers and are kept alive for the
@@ -403,7 +412,7 @@ def _launch(device: torch.device, stream: torch.cuda.Stream, kernel: str, pieces
     sms = torch.cuda.get_device_properties(index).multi_processor_count
     grid = max(1, min(pieces, sms * BLOCKS_PER_SM))
     function = load_module(index).get_function(kernel)
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+    with cupy.cuda.Device(index), _cupy_stream(cupy, stream, index):
         function((grid,), (THREADS,), tuple(_arg(arg) for arg in args))
     for arg in args:
         if isinstance(arg, torch.Tensor) and arg.device.type == "cuda":
