@@ -142,24 +142,26 @@ class PageMover:
             raise LayoutMismatch(f"engine block {block_id} out of range [0, {self.num_blocks})")
         return rows[block_id].view(-1)
 
-    def piece_addresses(self, block_ids: BlockIds, blocks_base: int,
-                        skip: int = 0) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    def piece_addresses(self, block_ids: BlockIds, blocks_base: int, skip: int = 0, *,
+                        chunk_bases: torch.Tensor | None = None
+                        ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Where every piece of a move is: ``(piece bytes, engine addresses, block addresses)`` by size.
 
         A piece is one contiguous row of a page (a whole page when rows are dense). Engine block
         ``block_ids[k]`` is position ``skip + k`` of the offloaded blocks, which lie ``block_bytes``
         apart from ``blocks_base`` (chunk ``(skip + k) // blocks_per_chunk``, engine block ``(skip + k)
-        % blocks_per_chunk`` within it). This is the whole address math of :class:`CudaPageMover`'s
-        copies, computed with vectorised torch on the host; the CPU tests replay it with ``memmove``
-        and compare with :meth:`gather` / :meth:`scatter`.
+        % blocks_per_chunk`` within it), or, with ``chunk_bases`` (int64, one address per chunk: the
+        rows of a CPU tier's slab that a move reads or fills), at those addresses. This is the whole
+        address math of :class:`CudaPageMover`'s copies, computed with vectorised torch on the host; the
+        CPU tests replay it with ``memmove`` and compare with :meth:`gather` / :meth:`scatter`.
         """
         ids = _as_tensor(block_ids).reshape(-1).to(device="cpu", dtype=torch.int64)
         position = torch.arange(skip, skip + ids.numel(), dtype=torch.int64)
         chunk, within = position // self.blocks_per_chunk, position % self.blocks_per_chunk
         p = self._pieces
         engine = p.ptrs[:, None] + ids[None, :] * p.strides[:, None]
-        cross = (blocks_base + chunk * self.block_bytes)[None, :] + p.offsets[:, None] \
-            + within[None, :] * p.steps[:, None]
+        starts = blocks_base + chunk * self.block_bytes if chunk_bases is None else chunk_bases[chunk]
+        cross = starts[None, :] + p.offsets[:, None] + within[None, :] * p.steps[:, None]
         sizes = sorted(set(p.sizes.tolist()))
         if len(sizes) == 1:
             return [(sizes[0], engine.reshape(-1), cross.reshape(-1))]
@@ -402,18 +404,49 @@ class CudaPageMover(PageMover):
     def scatter(self, blocks: torch.Tensor, block_ids: BlockIds, skip: int = 0) -> None:
         self._move(_as_tensor(block_ids), blocks, skip, into_engine=True)
 
-    def _move(self, block_ids: torch.Tensor, blocks: torch.Tensor, skip: int, *, into_engine: bool) -> None:
+    def gather_rows(self, block_ids: BlockIds, slab: torch.Tensor, slots: Sequence[int]) -> None:
+        """:meth:`gather` straight into rows ``slots`` of ``slab`` (a CPU tier's page-locked slab), by the
+        kernels, asynchronously on :attr:`stream`: record an event and keep the rows until it completed."""
+        if len(slots):
+            self._move(_as_tensor(block_ids), slab, 0, into_engine=False, slots=slots)
+
+    def scatter_rows(self, slab: torch.Tensor, slots: Sequence[int], block_ids: BlockIds,
+                     skip: int = 0) -> None:
+        """:meth:`scatter` straight out of rows ``slots`` of ``slab`` (a CPU tier's page-locked slab), by the
+        kernels, asynchronously on :attr:`stream`: the rows must stay as they are (leased) until an event
+        recorded after this call completed."""
+        ids = _as_tensor(block_ids)
+        if skip < 0 or skip + ids.numel() > len(slots) * self.blocks_per_chunk:
+            raise LayoutMismatch(f"{ids.numel()} engine blocks from {len(slots)} offloaded blocks of "
+                                 f"{self.blocks_per_chunk} (skipping {skip}) do not fit")
+        if ids.numel():
+            self._move(ids, slab, skip, into_engine=True, slots=slots)
+
+    def _move(self, block_ids: torch.Tensor, blocks: torch.Tensor, skip: int, *, into_engine: bool,
+              slots: Sequence[int] | None = None) -> None:
+        """Copy between the engine's pages and ``blocks`` (``[n, block_bytes]`` uint8, page-locked or on the
+        device), whose chunk ``k`` is row ``k`` or, with ``slots``, row ``slots[k]``."""
+        rows_ok = blocks.is_contiguous() if slots is None else blocks.stride(1) == 1
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != self.block_bytes \
-                or not blocks.is_contiguous():
+                or not rows_ok:
             raise LayoutMismatch(f"offloaded blocks must be a contiguous [n, {self.block_bytes}] uint8 "
                                  f"tensor, got {blocks.dtype} {tuple(blocks.shape)}")
         if blocks.device.type != "cuda" and not blocks.is_pinned():
             raise LayoutMismatch("the CUDA page mover needs page-locked host blocks (pin_memory=True) or "
                                  f"device blocks, got pageable memory on {blocks.device}")
+        bases = None
         unit = min(self._engine_unit, self._kernels.vector_unit(blocks.data_ptr()))
+        if slots is not None:
+            rows = torch.as_tensor(slots, dtype=torch.int64)
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= blocks.shape[0]):
+                raise LayoutMismatch(f"slots must lie in [0, {blocks.shape[0]}), got "
+                                     f"{rows[(rows < 0) | (rows >= blocks.shape[0])][:8].tolist()}")
+            bases = blocks.data_ptr() + rows * blocks.stride(0)
+            unit = min(unit, self._kernels.vector_unit(blocks.stride(0)))
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            for piece, engine, cross in self.piece_addresses(block_ids, blocks.data_ptr(), skip):
+            moves = self.piece_addresses(block_ids, blocks.data_ptr(), skip, chunk_bases=bases)
+            for piece, engine, cross in moves:
                 # one host-to-device copy for both address lists
                 engine_at, cross_at = torch.stack([engine, cross]).to(self.device, non_blocking=True)
                 src, dst = (cross_at, engine_at) if into_engine else (engine_at, cross_at)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -353,6 +354,46 @@ def test_cuda_page_movers_addresses_move_what_the_torch_mover_moves(
         assert torch.equal(rows, want)  # the same pages written, and padding past each page untouched
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), bpc=st.integers(1, 3), layers=st.integers(1, 3), cross_layer=st.booleans())
+def test_cuda_page_movers_slab_row_addresses_move_what_the_torch_mover_moves(
+    data: st.DataObject, bpc: int, layers: int, cross_layer: bool,
+) -> None:
+    """``piece_addresses`` with ``chunk_bases`` (the rows of a CPU tier's slab that a CUDA load reads or a
+    store fills), replayed with memmove, moves exactly what :meth:`PageMover.gather_rows` /
+    :meth:`PageMover.scatter_rows` move, and leaves the other rows alone."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    num_blocks, page = 12, 48
+    widths = [page * layers] if cross_layer else [page] * layers
+    regions = [(torch.randint(-128, 127, (num_blocks, width + 16), dtype=torch.int8, generator=gen), width)
+               for width in widths]
+    mover = PageMover(regions, bpc, page * layers * bpc)
+    chunks = data.draw(st.integers(1, num_blocks // bpc))
+    ids = torch.tensor(data.draw(st.permutations(range(num_blocks)))[:chunks * bpc])
+    slots = data.draw(st.permutations(range(chunks + 3)))[:chunks]
+    slab = torch.randint(0, 256, (chunks + 3, mover.block_bytes), dtype=torch.uint8, generator=gen)
+
+    def bases(rows: torch.Tensor) -> torch.Tensor:
+        return rows.data_ptr() + torch.tensor(slots, dtype=torch.int64) * rows.stride(0)
+
+    expected, got = slab.clone(), slab.clone()
+    mover.gather_rows(ids, expected, slots)
+    replay_with_memmove(mover.piece_addresses(ids, 0, chunk_bases=bases(got)), into_engine=False)
+    assert torch.equal(got, expected)
+
+    skip = data.draw(st.integers(0, bpc - 1))
+    count = data.draw(st.integers(1, chunks * bpc - skip))
+    targets = torch.tensor(data.draw(st.permutations(range(num_blocks)))[:count])
+    before = [rows.clone() for rows, _ in regions]
+    mover.scatter_rows(slab, slots, targets, skip)
+    scattered = [rows.clone() for rows, _ in regions]
+    for rows, old in zip((rows for rows, _ in regions), before, strict=True):
+        rows.copy_(old)
+    replay_with_memmove(mover.piece_addresses(targets, 0, skip, chunk_bases=bases(slab)), into_engine=True)
+    for (rows, _), want in zip(regions, scattered, strict=True):
+        assert torch.equal(rows, want)
+
+
 def test_cuda_page_mover_refuses_pages_that_are_not_on_a_cuda_device() -> None:
     with pytest.raises(LayoutMismatch, match="CUDA device, got cpu"):
         CudaPageMover([(torch.zeros((4, 64), dtype=torch.int8), 64)], 1, 64, stream=None)  # type: ignore[arg-type]
@@ -399,6 +440,72 @@ def test_a_cuda_engine_stores_and_loads_bit_exact_through_the_kernels(cpu_tier: 
         result = harness.load(keys, [1, 2, 3, 6, 7], start=1)  # the first engine block was computed
         assert result["success"]
         for target, block in zip([1, 2, 3, 6, 7], originals[1:], strict=True):
+            assert all(torch.equal(a.cpu(), b.cpu())
+                       for a, b in zip(harness.block(0, target), block, strict=True))
+    finally:
+        harness.close()
+
+
+@requires_gpu
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_cuda_page_mover_moves_slab_rows_as_the_torch_mover_does(cross_layer: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    page, layers, bpc = 4096 + 48, 3, 2
+    widths = [page * layers] if cross_layer else [page] * layers
+    host = [torch.randint(-128, 127, (16, width + 32), dtype=torch.int8, generator=gen) for width in widths]
+    stream = torch.cuda.Stream()
+    mover = CudaPageMover([(rows.cuda(), width) for rows, width in zip(host, widths, strict=True)], bpc,
+                          page * layers * bpc, stream)
+    reference = PageMover([(rows.clone(), width) for rows, width in zip(host, widths, strict=True)], bpc,
+                          page * layers * bpc)
+    slab = torch.randint(0, 256, (6, mover.block_bytes), dtype=torch.uint8, generator=gen).pin_memory()
+    expected = slab.clone()
+    ids, slots = torch.tensor([9, 2, 14, 5, 0, 11]), [4, 0, 2]
+    mover.gather_rows(ids, slab, slots)
+    reference.gather_rows(ids, expected, slots)
+    stream.synchronize()
+    assert torch.equal(slab, expected)  # the other rows untouched
+
+    targets = torch.tensor([1, 3, 7, 8, 12])
+    mover.scatter_rows(slab, [2, 4, 0], targets, skip=1)
+    reference.scatter_rows(expected, [2, 4, 0], targets, skip=1)
+    stream.synchronize()
+    for (rows, _), (want, _) in zip(mover.regions, reference.regions, strict=True):
+        assert torch.equal(rows.cpu(), want)
+    with pytest.raises(LayoutMismatch, match="page-locked host blocks"):
+        mover.scatter_rows(torch.zeros_like(slab, device="cpu"), [0], torch.tensor([1]))
+
+
+@requires_gpu
+def test_a_cuda_engine_loads_straight_from_the_pinned_cpu_tier_and_releases_after_the_copy(
+        cpu_tier: list[dict[str, Any]], caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One copy per load (pinned CPU-tier slot → engine page by the kernel): no staging buffer, the slots
+    stay leased until the copy completed, and a good load logs no error."""
+    harness = Harness(cpu_tier, device="cuda", bpc=1)
+    try:
+        keys = harness.keys(4)
+        assert harness.store(keys, [4, 5, 10, 11]) == keys
+        originals = [harness.block(0, b) for b in (4, 5, 10, 11)]
+        assert harness.runtime.pinned_cpu_tier(0)
+
+        def no_buffer(*args: Any, **kwargs: Any) -> torch.Tensor:
+            raise AssertionError("a CUDA load from a pinned CPU tier allocated a staging buffer")
+
+        monkeypatch.setattr(harness.runtime, "empty_rows", no_buffer)
+        index = harness.runtime.residency.tiers[0]
+        spec = harness.manager.prepare_load(keys)
+        assert harness.worker.submit_load(
+            77, spec, GpuSpec(np.array([20, 21, 22, 23], np.int32), (4,), (0,)))
+        assert set(index.pins) >= set(spec.keys)  # leased while the kernels read the slots
+        harness.worker.wait({77})
+        with caplog.at_level(logging.ERROR, logger="kvtier"):
+            results = harness.worker.get_finished()
+        harness.manager.complete_load(keys)
+        assert [(r["job_id"], r["success"]) for r in results] == [(77, True)]
+        assert not caplog.records
+        assert not index.pins  # released once the copies completed
+        for target, block in zip([20, 21, 22, 23], originals, strict=True):
             assert all(torch.equal(a.cpu(), b.cpu())
                        for a, b in zip(harness.block(0, target), block, strict=True))
     finally:

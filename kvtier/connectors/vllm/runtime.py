@@ -29,7 +29,7 @@ from kvtier.errors import KVTierConfigError, KVTierError
 from kvtier.metrics import CacheStats
 from kvtier.prometheus import MetricsServer
 from kvtier.residency import READY, Plan, Residency
-from kvtier.tiers.cpu import SlotRead
+from kvtier.tiers.cpu import CpuTier, SlotRead
 
 log = logging.getLogger(__name__)
 _BLOCK_HASH = attrgetter("block_hash")
@@ -570,11 +570,13 @@ class OffloadRuntime:
         return future
 
     def read_with(self, keys: Sequence[BlockKey], sources: Sequence[int], read: SlotRead, *,
-                  placed: bool = False) -> bool | None:
+                  placed: bool = False, keep_leases: bool = False) -> bool | None:
         """:meth:`read` where ``read(slab, slots)`` copies the leased blocks out of their CPU tier's slots
         itself (into the engine's pages, with no buffer between), and the leases are released. True when
         done; None, nothing done and nothing released, for a load it does not take (staged or lost
-        blocks, several tiers or groups, a placed load): then :meth:`read` it."""
+        blocks, several tiers or groups, a placed load): then :meth:`read` it. ``keep_leases``: ``read``
+        only enqueued the copies (CUDA kernels), so the slots stay leased on success and the caller
+        :meth:`release` s them once the copies completed."""
         if placed or not keys or STAGED in sources or LOST in sources:
             return None
         try:
@@ -584,8 +586,15 @@ class OffloadRuntime:
             raise
         if not done:
             return None
-        self.release(keys, sources)
+        if not keep_leases:
+            self.release(keys, sources)
         return True
+
+    def pinned_cpu_tier(self, source: int) -> bool:
+        """Whether tier ``source`` is a CPU tier in page-locked memory (the CUDA kernels reach its slots)."""
+        tiers = self.core.tiers
+        tier = tiers[source] if type(source) is int and 0 <= source < len(tiers) else None
+        return isinstance(tier, CpuTier) and tier.pinned
 
     def _current_rows(self, keys: Sequence[BlockKey], rows: Sequence[torch.Tensor | None] | torch.Tensor,
                       placed: bool) -> Sequence[torch.Tensor | None] | torch.Tensor:

@@ -33,6 +33,9 @@ class _Job:
     scatters: list[tuple[PageMover, torch.Tensor, np.ndarray, int]] = field(default_factory=list)
     # CUDA: the event after this load's page copies (already enqueued); done once it completed.
     copied: Any = None
+    # CUDA loads straight out of a CPU tier's slots: the leases the kernels read under, released once
+    # ``copied`` completed.
+    leases: tuple[list[BlockKey], list[int]] | None = None
 
 
 def split_by_group(keys: Sequence[BlockKey], block_ids: Any, group_sizes: Sequence[int],
@@ -162,7 +165,7 @@ class KVTierOffloadWorkerCore:
                 raise LayoutMismatch(f"load of {len(ids)} engine blocks from {len(group_keys)} chunks "
                                      f"(skipping {skip}) does not fit")
             moves.append((g, group_keys, ids, skip))
-        if self._stream is None and len(moves) == 1 and len(moves[0][1]) == len(keys) and \
+        if len(moves) == 1 and len(moves[0][1]) == len(keys) and \
                 self._load_direct(job_id, keys, sources, moves[0], src_spec.placed):
             return True
         buffers: list[tuple[list[BlockKey], torch.Tensor]] = []
@@ -192,24 +195,33 @@ class KVTierOffloadWorkerCore:
 
     def _load_direct(self, job_id: int, keys: list[BlockKey], sources: list[int],
                      move: tuple[int, list[BlockKey], np.ndarray, int], placed: bool) -> bool:
-        """A load of one group's blocks that one CPU tier holds: its engine pages written now straight out
-        of the tier's slots (``OffloadRuntime.read_with``), with no buffer between; False, nothing done
-        and nothing released, when it cannot go so."""
+        """A load of one group's blocks that one CPU tier holds: its engine pages written straight out of
+        the tier's slots (``OffloadRuntime.read_with``), with no buffer between — now by torch copies, or
+        enqueued on the transfer stream by the kernels (CUDA, page-locked tier), the leases then kept
+        until the copies completed; False, nothing done and nothing released, when it cannot go so."""
+        cuda = self._stream is not None
+        if cuda and not (sources and self.runtime.pinned_cpu_tier(sources[0])):
+            return False  # pageable slots: the kernels cannot read them; the buffer path stages them
         g, _, ids, skip = move
         mover = self.movers[g]
         future: concurrent.futures.Future[bool] = concurrent.futures.Future()
         try:
             done = self.runtime.read_with(
-                keys, sources, lambda slab, slots: mover.scatter_rows(slab, slots, ids, skip), placed=placed)
+                keys, sources, lambda slab, slots: mover.scatter_rows(slab, slots, ids, skip), placed=placed,
+                keep_leases=cuda)
         except Exception as exc:  # reported by get_finished as a failed job, never raised into the step
+            if cuda:  # read_with released the leases: let no copy that was enqueued still read the slots
+                cast("torch.cuda.Stream", self._stream).synchronize()
             future.set_exception(exc)
             done = True
         if done is None:
             return False
+        leased = cuda and not future.done()
         if not future.done():
             future.set_result(done)
         nbytes = len(keys) * self.runtime.core.layouts[keys[0].group_id].nbytes
-        self._jobs[job_id] = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter())
+        self._jobs[job_id] = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter(),
+                                  copied=self._copies_done(), leases=(keys, sources) if leased else None)
         return True
 
     def _store_direct(self, job_id: int, keys: list[BlockKey],
@@ -256,8 +268,16 @@ class KVTierOffloadWorkerCore:
             if not job.future.done() or (job.copied is not None and not job.copied.query()):
                 continue
             del self._jobs[job_id]
+            self._release(job)
             results.append(self._finish(job_id, job))
         return results
+
+    def _release(self, job: _Job) -> None:
+        """Give back the leases a CUDA load read its slots under (its copies have completed)."""
+        if job.leases is not None:
+            keys, sources = job.leases
+            job.leases = None
+            self.runtime.release(keys, sources)
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until the given jobs finished (their results still come from ``get_finished``)."""
@@ -270,6 +290,8 @@ class KVTierOffloadWorkerCore:
 
     def shutdown(self) -> None:
         self.wait(set(self._jobs))
+        for job in self._jobs.values():
+            self._release(job)
         self._jobs.clear()
         if self._on_shutdown is not None:
             self._on_shutdown()
@@ -282,9 +304,10 @@ class KVTierOffloadWorkerCore:
             ok = False
         if not job.is_load:
             ok = True  # a refused store is a later miss, never an engine error
-        elif ok and job.copied is None:  # torch copies write the pages here; the kernels already did
-            for mover, raw, ids, skip in job.scatters:
-                mover.scatter(raw, ids, skip)
+        elif ok:  # torch copies write the pages here; the kernels already did (job.copied)
+            if job.copied is None:
+                for mover, raw, ids, skip in job.scatters:
+                    mover.scatter(raw, ids, skip)
         else:
             log.error("kvtier: load job %d could not read every leased block; failing it rather than "
                       "feeding the engine wrong KV", job_id)
