@@ -89,8 +89,9 @@ class KVTierOffloadWorkerCore:
     the tier's slots (``OffloadRuntime.store_with``), with no buffer between — else in the background
     on kvtier's loop (``OffloadRuntime.store``); ``submit_load`` copies the leased blocks at once
     (they are in memory: a memory tier or staging). Host pages of one group that one CPU tier holds are
-    written at once, straight from the tier's slots (``OffloadRuntime.read_with``); otherwise the blocks
-    go through a buffer and the pages are written by ``get_finished`` on the engine's thread (by the
+    written at once, straight from the tier's slots (``OffloadRuntime.read_with``; on CUDA the kernels
+    read the page-locked slots, which stay leased until the copy completed); otherwise the blocks go
+    through a buffer and the pages are written by ``get_finished`` on the engine's thread (by the
     kernels at once on CUDA), before the job is reported done.
     A store a tier refused is reported done (it is a later miss); a load reports failure only if a
     leased block could not be read, which pins make impossible short of a bug.
