@@ -63,15 +63,12 @@ def test_gpu_tier_and_engine_kv_raise_tier_unavailable_without_cuda() -> None:
 # --- GPU: engine KV ↔ tier slots ----------------------------------------------------------------------------
 
 
-@requires_gpu
-@pytest.mark.parametrize("cross_layer", [True, False])
-@pytest.mark.parametrize("method", ["kernel", "copy_engine", "auto"])
-def test_engine_kv_store_load_round_trip_through_pinned_cpu_slots(cross_layer: bool, method: Any) -> None:
+def random_engine_kv(cross_layer: bool, method: Any,
+                     per_layer: PerLayerLayout) -> tuple[Any, list[torch.Tensor]]:
+    """An ``EngineKV`` over 10 random CUDA blocks of ``BLOCK``, cross-layer or per-layer, and its layers."""
     from kvtier.detect import make_cross_layer_kv
-    from kvtier.tiers.cpu import CpuTier
     from kvtier.tiers.gpu import EngineKV
 
-    per_layer = PerLayerLayout(PerLayerKind.FLASH_ATTN)
     if cross_layer:
         base, layers = make_cross_layer_kv(10, BLOCK, "cuda")
         base.view(torch.uint8).copy_(torch.randint(0, 256, base.view(torch.uint8).shape, dtype=torch.uint8))
@@ -79,6 +76,17 @@ def test_engine_kv_store_load_round_trip_through_pinned_cpu_slots(cross_layer: b
         layers = [torch.randint(0, 256, per_layer.layer_shape(10, BLOCK), dtype=torch.int16, device="cuda"
                                 ).view(BLOCK.dtype) for _ in range(BLOCK.num_layers)]
     engine = EngineKV(layers, block_size=16, num_kv_heads=2, head_dim=64, transfer=TransferChoice(method))
+    return engine, layers
+
+
+@requires_gpu
+@pytest.mark.parametrize("cross_layer", [True, False])
+@pytest.mark.parametrize("method", ["kernel", "copy_engine", "auto"])
+def test_engine_kv_store_load_round_trip_through_pinned_cpu_slots(cross_layer: bool, method: Any) -> None:
+    from kvtier.tiers.cpu import CpuTier
+
+    per_layer = PerLayerLayout(PerLayerKind.FLASH_ATTN)
+    engine, layers = random_engine_kv(cross_layer, method, per_layer)
     assert engine.detected.cross_layer is cross_layer
     tier = CpuTier("cpu", {0: BLOCK}, {0: 8 * BLOCK.nbytes}, pinned=True)
     assert tier.pinned
@@ -105,17 +113,9 @@ def test_engine_kv_store_load_round_trip_through_pinned_cpu_slots(cross_layer: b
 @pytest.mark.parametrize("method", ["kernel", "copy_engine"])
 def test_engine_kv_moves_rows_of_a_pinned_slab_by_slot_id(cross_layer: bool, method: Any) -> None:
     """The slab form (one 2-D tensor + slot ids) writes and reads exactly the rows the ids name."""
-    from kvtier.detect import make_cross_layer_kv
-    from kvtier.tiers.gpu import EngineKV
 
     per_layer = PerLayerLayout(PerLayerKind.FLASH_ATTN)
-    if cross_layer:
-        base, layers = make_cross_layer_kv(10, BLOCK, "cuda")
-        base.view(torch.uint8).copy_(torch.randint(0, 256, base.view(torch.uint8).shape, dtype=torch.uint8))
-    else:
-        layers = [torch.randint(0, 256, per_layer.layer_shape(10, BLOCK), dtype=torch.int16, device="cuda"
-                                ).view(BLOCK.dtype) for _ in range(BLOCK.num_layers)]
-    engine = EngineKV(layers, block_size=16, num_kv_heads=2, head_dim=64, transfer=TransferChoice(method))
+    engine, layers = random_engine_kv(cross_layer, method, per_layer)
     slab = torch.full((8, BLOCK.nbytes), 7, dtype=torch.uint8).pin_memory()
     ids, rows = [6, 2, 9], [5, 0, 3]
     engine.store(ids, slab, rows).wait()
