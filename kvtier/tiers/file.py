@@ -71,10 +71,6 @@ _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)  # Linux 4.14+; elsewhere every 
 #: A raw block is read and hashed this many bytes at a time, so the checksum reads each piece while it
 #: is still in the CPU cache (half the 1 MiB L2 of a core where it was measured: docs/file-tier.md).
 READ_CHUNK = 512 * 1024
-#: A batch's warm read is split into parts of at least this many bytes, at most one per CPU and I/O
-#: thread (:meth:`FileTier._read_warm_first`): a part is one thread's wake-up, tens of µs.
-WARM_PART_BYTES = 1024 * 1024
-_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 #: While a full disk keeps the capacity below the configured one, free space is re-checked this often.
 DISK_RECHECK_SECONDS = 1.0
 
@@ -191,19 +187,8 @@ class _Outcome(NamedTuple):
 
 
 _NOT_RUN = _Outcome("io")  # placeholder of a job a failed or cancelled batch never ran
-_DONE = _Outcome(None)
 #: the rest of a job, run by its I/O thread once the batch's queue is empty (a synced write's wait)
 _Finish = Callable[[], _Outcome]
-
-
-class _Lane:
-    """An executor, its thread count and how many of its threads the batches in flight hold (counted
-    on the event loop's thread only)."""
-
-    __slots__ = ("executor", "width", "busy")
-
-    def __init__(self, executor: ThreadPoolExecutor, width: int) -> None:
-        self.executor, self.width, self.busy = executor, width, 0
 
 
 class FileTier(Tier):
@@ -279,8 +264,6 @@ class FileTier(Tier):
         self._itemsize = {gid: layout.itemsize for gid, layout in self.layouts.items()}
         self._block_nbytes = {gid: layout.nbytes for gid, layout in self.layouts.items()}
         self._raw_file_size = {gid: PAGE + _round_up(layout.nbytes) for gid, layout in self.layouts.items()}
-        #: the outcome of a raw block read whole from the page cache (shared: no allocation per block)
-        self._warm_hits = {gid: _Outcome(None, PAGE + layout.nbytes) for gid, layout in self.layouts.items()}
         self._max_file_size = {gid: PAGE + _round_up(lz4_bound(layout.nbytes))
                                for gid, layout in self.layouts.items()}
         self._body_bytes = max((size - PAGE for size in self._max_file_size.values()), default=PAGE)
@@ -295,11 +278,9 @@ class FileTier(Tier):
         self._disk_checked_at = float("-inf")
         self._made_dirs: set[str] = set()
         self._io_threads = io_threads
+        #: executor tasks of the batches in flight (counted on the event loop's thread only)
+        self._tasks_in_flight = 0
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-file-{name}")
-        self._lane = _Lane(self._executor, io_threads)
-        #: the warm reads' own threads, no more than the CPUs: more would only take turns at the GIL
-        warm = max(1, min(io_threads, _CPUS))
-        self._warm_lane = _Lane(ThreadPoolExecutor(warm, thread_name_prefix=f"kvtier-file-{name}-warm"), warm)
         try:
             self._make_dir(self.root, parents=True)
             self._refuse_unsafe(self.root, ancestors=True)
@@ -311,11 +292,9 @@ class FileTier(Tier):
             self._chains = ChainLog(self.directory / CHAIN_LOG)
         except OSError as exc:
             self._executor.shutdown(wait=False)
-            self._warm_lane.executor.shutdown(wait=False)
             raise TierUnavailable(f"file tier {name!r} cannot use {self.directory}: {exc}") from exc
         except KVTierConfigError:
             self._executor.shutdown(wait=False)
-            self._warm_lane.executor.shutdown(wait=False)
             raise
 
     # --- public API ------------------------------------------------------------------------------
@@ -367,10 +346,7 @@ class FileTier(Tier):
         """
         slots, reads = self._read_jobs(keys, out)
         start = time.perf_counter()
-        if self._nowait and not self._direct_reads and reads:
-            outcomes = await self._read_warm_first(reads)
-        else:
-            outcomes = await self._on_io_threads(self._read_cached_block, reads, self._read_block)
+        outcomes = await self._on_io_threads(self._read_cached_block, reads, self._read_block)
         self.counters.read_seconds += time.perf_counter() - start
         hits = [False] * len(keys)
         counters = self.counters
@@ -385,34 +361,6 @@ class FileTier(Tier):
         counters.blocks_read += read
         counters.bytes_read += nbytes
         return hits
-
-    async def _read_warm_first(self, reads: list[tuple[BlockKey, int, np.ndarray]]) -> list[_Outcome]:
-        """Read the batch's warm raw blocks in a few contiguous parts, then the rest block by block.
-
-        Each part is one job for one I/O thread (:meth:`_read_warm_part`), so the threads' copies
-        and checksums (both without the GIL) overlap, at no per-block queue or outcome cost. A
-        block that part could not take whole (not cached, lz4, damaged, missing, any error) goes
-        through :meth:`_read_cached_block`, which sorts it out exactly as before.
-        """
-        count = len(reads)
-        nbytes = sum(out.nbytes for _, _, out in reads)
-        parts = max(1, min(count, self._warm_lane.width, -(-nbytes // WARM_PART_BYTES)))
-        bounds = [count * j // parts for j in range(parts + 1)]
-        done = [False] * count
-        stop = threading.Event()
-        await self._on_io_threads(self._read_warm_part,
-                                  [(reads, done, bounds[j], bounds[j + 1], stop) for j in range(parts)],
-                                  stop=stop, lane=self._warm_lane)
-        rest = [i for i, ok in enumerate(done) if not ok]
-        hit = self._warm_hits
-        outcomes = [hit[key.group_id] if ok else _NOT_RUN
-                    for ok, (key, _, _) in zip(done, reads, strict=True)]
-        if rest:
-            slow = await self._on_io_threads(self._read_cached_block, [reads[i] for i in rest],
-                                             self._read_block)
-            for i, outcome in zip(rest, slow, strict=True):
-                outcomes[i] = outcome
-        return outcomes
 
     def _read_jobs(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor],
                    ) -> tuple[list[int], list[tuple[BlockKey, int, np.ndarray]]]:
@@ -477,7 +425,6 @@ class FileTier(Tier):
     async def close(self) -> None:
         """Wait for in-flight I/O on a helper thread, then stop the I/O threads."""
         await asyncio.to_thread(self._executor.shutdown, True)
-        await asyncio.to_thread(self._warm_lane.executor.shutdown, True)
         self._corrupt_log.flush()
         self._capacity_log.flush()
 
@@ -527,9 +474,7 @@ class FileTier(Tier):
 
     async def _on_io_threads(self, work: Callable[..., _Outcome | _Finish | None],
                              jobs: list[tuple[Any, ...]],
-                             later: Callable[..., _Outcome | None] | None = None,
-                             stop: threading.Event | None = None,
-                             lane: _Lane | None = None) -> list[_Outcome]:
+                             later: Callable[..., _Outcome | None] | None = None) -> list[_Outcome]:
         """Run ``work(*job)`` for every job on the I/O threads: one executor task per thread, not per block.
 
         ``work`` may return ``None`` to put a job off: the thread runs ``later(*job)`` for it once the
@@ -542,14 +487,13 @@ class FileTier(Tier):
         120 µs each, measured, when every block went through asyncio and the pool on its own). If the
         caller is cancelled, the threads take no further jobs and the call waits for the ones running,
         so that no thread reads or writes the caller's buffers after the call has ended (the same after a
-        bug in ``work``, which is raised). ``stop`` is that signal, given by a caller whose jobs check it
-        between blocks. ``lane``: the threads to use (default: the ``io_threads``).
+        bug in ``work``, which is raised).
         """
         if not jobs:
             return []
         queue = deque(enumerate(jobs))
         outcomes: list[_Outcome] = [_NOT_RUN] * len(jobs)
-        stop = threading.Event() if stop is None else stop
+        stop = threading.Event()
 
         def drain() -> None:
             deferred: list[tuple[int, tuple[Any, ...]]] = []
@@ -579,10 +523,9 @@ class FileTier(Tier):
         # As many tasks as the batches already in flight leave threads idle, at least one: a batch
         # that arrives while every thread is taken queues behind them as one task, not io_threads
         # (each executor task costs a wake-up of a thread and of the loop).
-        lane = self._lane if lane is None else lane
-        tasks = max(1, min(len(jobs), lane.width - lane.busy))
-        lane.busy += tasks
-        futures = [loop.run_in_executor(lane.executor, drain) for _ in range(tasks)]
+        tasks = max(1, min(len(jobs), self._io_threads - self._tasks_in_flight))
+        self._tasks_in_flight += tasks
+        futures = [loop.run_in_executor(self._executor, drain) for _ in range(tasks)]
         try:
             await asyncio.shield(asyncio.gather(*futures))
         except BaseException:  # cancelled (or a bug in ``work``): stop, and let no thread outlive the call
@@ -590,7 +533,7 @@ class FileTier(Tier):
             await asyncio.wait(futures)
             raise
         finally:
-            lane.busy -= tasks
+            self._tasks_in_flight -= tasks
         return outcomes
 
     # --- paths and directories ---------------------------------------------------------------------
@@ -804,61 +747,44 @@ class FileTier(Tier):
     def _read_cached_block(self, key: BlockKey, file_size: int, out: np.ndarray) -> _Outcome | None:
         """Read a block if the page cache holds all of it; else ask the kernel for it and return ``None``.
 
-        Each read first uses ``RWF_NOWAIT``, which fails instead of waiting for the disk. A block that
-        is not cached gets ``posix_fadvise(WILLNEED)`` (the kernel starts reading it at once) and is
-        read by :meth:`_read_block` after the thread's other blocks: a cold batch puts all its reads
-        in flight together instead of ``io_threads`` at a time.
+        The first pass over a batch reads with ``RWF_NOWAIT``, which fails instead of waiting for the
+        disk. A block that is not cached gets ``posix_fadvise(WILLNEED)`` (the kernel starts reading
+        it at once) and is read by :meth:`_read_block` after the thread's other blocks: a cold batch
+        puts all its reads in flight together instead of ``io_threads`` at a time, and a warm block
+        costs the same single ``preadv`` as before.
         """
         if not self._nowait or self._direct_reads:
             return self._read_block(key, file_size, out)
-        return self._read_block(key, file_size, out, nowait=True)
-
-    def _read_warm_part(self, reads: list[tuple[BlockKey, int, np.ndarray]], done: list[bool],
-                        first: int, end: int, stop: threading.Event) -> _Outcome:
-        """Read ``reads[first:end]`` that are intact raw blocks in the page cache; mark them in ``done``.
-
-        Per block: ``open``, one ``preadv(RWF_NOWAIT)`` of [header page, caller's buffer], ``close``,
-        the header compared whole and the checksum. Nothing else: whatever is not exactly that
-        (a block not all cached, lz4, damage, a short or missing file, an error) stays ``False`` and
-        is read the full way afterwards, which reads it again and names the fault. Stops between blocks
-        once ``stop`` is set (the call was cancelled).
-        """
+        group = key.group_id
+        size = out.nbytes
+        if file_size != self._raw_file_size[group] or size > READ_CHUNK:
+            return self._read_block(key, file_size, out, nowait=True)
+        # The warm raw block of at most one READ_CHUNK, inline (it is most reads): one open, one
+        # ``preadv`` of [header page, block] from the page cache, the header compared whole and the
+        # checksum taken. A block not all cached is put off as in _read_block; anything else, an
+        # exception included, goes the full way (:meth:`_read_block`), which reads again and sorts
+        # out misses, corrupt files and faults.
+        shard, hex_hash = self._locate(key)
         page = self._scratch().read_page
-        raw_size, headers, locate = self._raw_file_size, self._raw_headers, self._locate
-        for i in range(first, end):
-            if stop.is_set():
-                break
-            key, file_size, out = reads[i]
-            group = key.group_id
-            if file_size != raw_size[group]:
-                continue
-            shard, hex_hash = locate(key)
-            view = out.data
+        path = f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
+        try:
+            fd = os.open(path, _READ_FLAGS)
             try:
-                fd = os.open(f"{shard}/{hex_hash}{BLOCK_SUFFIX}", _READ_FLAGS)
-            except OSError:
-                continue
-            try:
-                got = os.preadv(fd, [page, view], 0, _RWF_NOWAIT)
-                if got != PAGE + view.nbytes:  # partly cached, or a short file
+                got = self._pread(fd, path, [page, out.data], 0, nowait=True)
+                if got is None:  # not all cached (or no RWF_NOWAIT here): read later, as _read_block does
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                    continue
-            except BlockingIOError:  # not cached: the kernel starts reading it now, as _read_block would
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                continue
-            except OSError as exc:
-                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL) and stat.S_ISREG(os.fstat(fd).st_mode):
-                    self._nowait = False  # the filesystem cannot: plain reads from now on
-                    break
-                continue
+                    return None
             finally:
                 os.close(fd)
-            digest = start_raw_check(page, headers[group].of(key))
+        except (OSError, CorruptBlock):
+            return self._read_block(key, file_size, out, nowait=True)
+        if got == PAGE + size:
+            digest = start_raw_check(page, self._raw_headers[group].of(key))
             if digest is not None:
-                digest.update(view)
-                done[i] = finish_raw_check(page, digest)
-        return _DONE
+                digest.update(out.data)
+                if finish_raw_check(page, digest):
+                    return _Outcome(None, PAGE + size)
+        return self._read_block(key, file_size, out, nowait=True)
 
     def _read_block(self, key: BlockKey, file_size: int, out: np.ndarray,
                     nowait: bool = False) -> _Outcome | None:

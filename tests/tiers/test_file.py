@@ -141,35 +141,30 @@ def test_io_runs_in_parallel_on_the_pool(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_batches_in_flight_together_share_the_threads_without_a_task_each_per_thread(tmp_path: Path) -> None:
-    """Eight puts at once on four threads: the first takes the four threads, the ones that arrive while
-    all are taken queue as one task each. Eight small warm gets are one task each on the warm lane (one
-    part: below WARM_PART_BYTES). Every block still comes back exact."""
+    """Eight gets at once on four threads: the first takes the four threads, the ones that arrive while
+    all are taken queue as one task each; every block still comes back exact."""
     tier = make_tier(tmp_path, io_threads=4)
     keys = [key(i) for i in range(32)]
     blocks = [random_block(0, i) for i in range(32)]
-    submitted: list[str] = []
-    for lane, name in ((tier._lane, "io"), (tier._warm_lane, "warm")):
-        def submit(fn, *args, real=lane.executor.submit, name=name, **kwargs):
-            submitted.append(name)
-            return real(fn, *args, **kwargs)
+    assert run(tier.put(keys, blocks)) == [True] * 32
+    submitted = []
+    real_submit = tier._executor.submit
 
-        lane.executor.submit = submit  # type: ignore[method-assign]
+    def submit(fn, *args, **kwargs):
+        submitted.append(fn)
+        return real_submit(fn, *args, **kwargs)
+
+    tier._executor.submit = submit  # type: ignore[method-assign]
     out = [torch.zeros_like(b) for b in blocks]
 
-    async def puts() -> list[list[bool]]:
-        return await asyncio.gather(*[tier.put(keys[i:i + 4], blocks[i:i + 4]) for i in range(0, 32, 4)])
-
-    async def gets() -> list[list[bool]]:
+    async def together() -> list[list[bool]]:
         return await asyncio.gather(*[tier.get(keys[i:i + 4], out[i:i + 4]) for i in range(0, 32, 4)])
 
-    assert run(puts()) == [[True] * 4] * 8
-    assert len(submitted) == 4 + 7
-    assert run(tier.put(keys[:4], blocks[:4])) == [True] * 4  # alone again: the four threads
-    assert len(submitted) == 4 + 7 + 4
-    submitted.clear()
-    assert run(gets()) == [[True] * 4] * 8
+    assert run(together()) == [[True] * 4] * 8
     assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
-    assert submitted == (["warm"] * 8 if tier._nowait else ["io"] * (4 + 7))
+    assert len(submitted) == 4 + 7
+    assert run(tier.get(keys[:4], out[:4])) == [True] * 4  # alone again: the four threads
+    assert len(submitted) == 4 + 7 + 4
     run(tier.close())
 
 
