@@ -873,3 +873,49 @@ def test_get_refuses_wrong_out_buffers_by_name(tmp_path: Path) -> None:
     with pytest.raises(LayoutMismatch):
         run(tier.get([key(0, group=7)], [good]))
     run(tier.close())
+
+
+# --- 256 KiB and 2 MiB blocks in batches shared by the I/O threads ------------------------------------
+BIG = {0: BlockLayout(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16),  # 256 KiB
+       1: BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)}  # 2 MiB
+
+
+@pytest.mark.parametrize("group", [0, 1], ids=["256KiB", "2MiB"])
+@pytest.mark.parametrize("damage", ["none", "payload", "header", "checksum", "truncate", "gone"])
+def test_a_batch_of_real_sized_blocks_is_exact_and_damage_is_a_miss(
+        tmp_path: Path, group: int, damage: str) -> None:
+    """Eight warm blocks of 256 KiB or 2 MiB read by four threads: every intact block is bit-exact; a
+    damaged block early and one late in the batch are misses, their files and index entries removed."""
+    tier = FileTier("disk", BIG, {g: 1 << 30 for g in BIG}, root=tmp_path, namespace="ns", io_threads=4)
+    n = 8
+    keys = [key(i, group) for i in range(n)]
+    gen = torch.Generator().manual_seed(group)
+    blocks = [torch.randint(0, 256, (BIG[group].nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
+    assert run(tier.put(keys, blocks)) == [True] * n
+    damaged = [1, 6] if damage != "none" else []
+    for i in damaged:
+        path = tier.path_of(keys[i])
+        if damage == "gone":
+            path.unlink()
+            continue
+        data = bytearray(path.read_bytes())
+        if damage == "payload":
+            data[PAGE + BIG[group].nbytes - 7] ^= 0x10
+        elif damage == "header":
+            data[40] ^= 0x01
+        elif damage == "checksum":
+            data[_CHECKSUM_OFFSET + 3] ^= 0x80
+        elif damage == "truncate":
+            data = data[:PAGE + BIG[group].nbytes // 2]
+        path.write_bytes(bytes(data))
+    out = [torch.zeros(BIG[group].nbytes, dtype=torch.uint8) for _ in keys]
+    hits = run(tier.get(keys, out))
+    assert hits == [i not in damaged for i in range(n)]
+    assert all(torch.equal(out[i], blocks[i]) for i in range(n) if hits[i])
+    assert set(tier.keys()) == {keys[i] for i in range(n) if i not in damaged}
+    assert not any(tier.path_of(keys[i]).exists() for i in damaged)
+    assert tier.counters.blocks_read == n - len(damaged)
+    assert sum(tier.counters.errors.values()) == len(damaged)
+    again = [torch.zeros(BIG[group].nbytes, dtype=torch.uint8) for _ in keys]
+    assert run(tier.get(keys, again)) == hits  # the misses stay misses, without I/O
+    run(tier.close())
