@@ -236,9 +236,10 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         :meth:`insert` with their usual cases inlined (the probation lane's bookkeeping too); anything
         unusual calls the method itself.
 
-        The lane's heap entry for a stored leaf waits in ``pending`` until the next key is stored or
-        the lane is asked for a victim: most stored leaves are parents of the very next key, whose
-        entry would only be skipped as stale (the entries that can be chosen are the same).
+        The lane's heap entry for a stored leaf waits in ``pending`` until the next key is stored (or
+        the batch ends): most stored leaves are parents of the very next key, whose entry would only
+        be skipped as stale, and the lane never chooses it meanwhile as it is pinned (the entries that
+        can be chosen are the same; pushing it before each lane victim cost a push, a pop and a push).
         """
         out: list[BlockKey] = []
         meta_of = self._meta
@@ -274,10 +275,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 if not lane_detached and members:
                     resident = len(meta_of)
                     if resident - len(members) <= PROTECTED_SHARE * resident:  # ProbationLane.applies
-                        if pending is not None:
-                            heappush(heap, pending)
-                            pending = None
-                        victim = probation.victim(pinned, inner)
+                        victim = probation.victim(pinned, inner)  # pending's key is pinned: not needed
                         heap = probation.heap
                 if victim is None and not lane_detached:
                     # the leader's order over each class's front (its oldest unpinned leaf, queued or
