@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Container, Iterable, Sequence
+from itertools import chain, islice
+from operator import attrgetter, itemgetter
 from typing import Any
 from zlib import crc32
 
@@ -21,6 +23,8 @@ from kvtier.policy.lifetime import _NEVER_KEEP, _SAMPLE_SHIFT, _SUB, LearnedLife
 from kvtier.policy.probation import PROTECTED_SHARE, Excluding, ProbationLane
 
 _STALE = object()  # store_new: a class queue's recency candidate must be found again
+_predecessor = attrgetter("predecessor")
+_second = itemgetter(1)
 
 
 def _last_reference(front: tuple[int, BlockKey, int]) -> int:
@@ -241,6 +245,9 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         be skipped as stale, and the lane never chooses it meanwhile as it is pinned (the entries that
         can be chosen are the same; pushing it before each lane victim cost a push, a pop and a push).
         """
+        flat = self._store_unlinked(keys, hints, pinned, free)
+        if flat is not None:
+            return flat
         out: list[BlockKey] = []
         meta_of = self._meta
         queues, late, late_heaps = self._queues, self._late, self._late_heap
@@ -451,6 +458,64 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         if pending is not None:
             heappush(heap, pending)
         return len(keys), out
+
+    def _store_unlinked(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint],
+                        pinned: Container[BlockKey], free: int) -> tuple[int, list[BlockKey]] | None:
+        """:meth:`store_new` of keys without chain links while recency alone decides (nothing learned,
+        no late, detached or probation leaf, no refit due within the batch, victims unlinked): then each
+        victim is the oldest unpinned queued leaf left, so all are chosen at once, and the per-key loop
+        only removes and inserts (a cache fed without hints, as the CPU-tier benchmark; the loop below
+        cost ~35 Python lines per key more). None, having changed nothing, in every other case.
+        """
+        n = len(keys)
+        if (self._learned or self._detached or self.probation.members or any(self._late)
+                or self._clock + n >= self._next_refit or list(map(_predecessor, hints)).count(None) != n):
+            return None
+        chains = self.chains
+        if not (chains.children.keys().isdisjoint(keys) and chains.detached.isdisjoint(keys)):
+            return None
+        queues = self._queues
+        count = n - free
+        victims: list[tuple[BlockKey, int]] = []
+        if count > 0:
+            heads = [list(islice(queue.items(), count)) for queue in queues if queue]
+            victims = heads[0] if len(heads) == 1 else sorted(chain(*heads), key=_second)[:count]
+            if len(victims) < count:
+                return None  # too few leaves: the loop below finds what else may go
+            taken = [key for key, _ in victims]
+            if (any(map(pinned.__contains__, taken)) or not chains.pred.keys().isdisjoint(taken)
+                    or not chains.children.keys().isdisjoint(taken) or not chains.detached.isdisjoint(taken)):
+                return None
+        meta_of, table, slot_mask, reach = self._meta, self._table, self._slot_mask, self._reach
+        top, repeat_within, hist, refs = self._top, self._repeat_within, self._hist, self._refs
+        fresh_roots = self.probation.fresh_roots
+        t = self._clock
+        for j, key in enumerate(keys):
+            if j >= free:  # remove(victim), inlined: a queued leaf with no links, not on probation
+                victim, then = victims[j - free]
+                cls, h, _ = meta_of.pop(victim)
+                del queues[cls][victim]
+                table[h & slot_mask] = (then << 20) | ((h >> 16) << 4) | cls
+                fresh_roots.pop(victim, None)
+            # insert(key), inlined: as in store_new, for a key without a predecessor
+            h = crc32(*key)
+            t += 1
+            entry = table[h & slot_mask]
+            if entry and (entry >> 4) & 0xFFFF == h >> 16 and t - (entry >> 20) <= reach:
+                old = entry & 15
+                cls = old + 1 if old < top and t - (entry >> 20) <= repeat_within else old
+                if not h >> _SAMPLE_SHIFT:
+                    hist[old][_bin(t - (entry >> 20))] += 1.0
+                    refs[cls] += 1.0
+            else:
+                cls = 0
+                if not h >> _SAMPLE_SHIFT:
+                    refs[0] += 1.0
+            meta_of[key] = [cls, h, -1]
+            queues[cls][key] = t
+            fresh_roots[key] = t
+        self._clock = t
+        return n, [key for key, _ in victims]
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
         out: list[BlockKey] = []
