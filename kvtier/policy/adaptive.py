@@ -22,7 +22,7 @@ from kvtier.policy.chains import ChainForest
 from kvtier.policy.lifetime import _NEVER_KEEP, _SAMPLE_SHIFT, _SUB, LearnedLifetimePolicy, _bin
 from kvtier.policy.probation import PROTECTED_SHARE, Excluding, ProbationLane
 
-_STALE = object()  # store_new: a class queue's recency candidate must be found again
+_STALE = object()  # store_new: a class's front (oldest unpinned leaf) must be found again
 _predecessor = attrgetter("predecessor")
 _second = itemgetter(1)
 
