@@ -92,20 +92,10 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
         if key in meta:
             self.access(key)
             return
-        # the lifetime policy's insert, inlined: the key's class from its ghost entry, if any
+        # the lifetime policy's insert: the key's class from its ghost entry, if any
         h = crc32(*key)
         t = self._clock = self._clock + 1
-        entry = self._table[h & self._slot_mask]
-        if entry and (entry >> 4) & 0xFFFF == h >> 16 and t - (entry >> 20) <= self._reach:
-            old = entry & 15
-            cls = old + 1 if old < self._top and t - (entry >> 20) <= self._repeat_within else old
-            if not h >> _SAMPLE_SHIFT:
-                self._hist[old][_bin(t - (entry >> 20))] += 1.0
-                self._refs[cls] += 1.0
-        else:
-            cls = 0
-            if not h >> _SAMPLE_SHIFT:
-                self._refs[0] += 1.0
+        cls = self._class_of_new(h, t)
         record = meta[key] = [cls, h, -1]
         queue = self._queues[cls]
         queue[key] = t
@@ -486,8 +476,7 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
             if (any(map(pinned.__contains__, taken)) or not chains.pred.keys().isdisjoint(taken)
                     or not chains.children.keys().isdisjoint(taken) or not chains.detached.isdisjoint(taken)):
                 return None
-        meta_of, table, slot_mask, reach = self._meta, self._table, self._slot_mask, self._reach
-        top, repeat_within, hist, refs = self._top, self._repeat_within, self._hist, self._refs
+        meta_of, table, slot_mask, class_of_new = self._meta, self._table, self._slot_mask, self._class_of_new
         fresh_roots = self.probation.fresh_roots
         t = self._clock
         for j, key in enumerate(keys):
@@ -497,25 +486,31 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 del queues[cls][victim]
                 table[h & slot_mask] = (then << 20) | ((h >> 16) << 4) | cls
                 fresh_roots.pop(victim, None)
-            # insert(key), inlined: as in store_new, for a key without a predecessor
+            # insert(key), inlined but for the class: a key without a predecessor
             h = crc32(*key)
             t += 1
-            entry = table[h & slot_mask]
-            if entry and (entry >> 4) & 0xFFFF == h >> 16 and t - (entry >> 20) <= reach:
-                old = entry & 15
-                cls = old + 1 if old < top and t - (entry >> 20) <= repeat_within else old
-                if not h >> _SAMPLE_SHIFT:
-                    hist[old][_bin(t - (entry >> 20))] += 1.0
-                    refs[cls] += 1.0
-            else:
-                cls = 0
-                if not h >> _SAMPLE_SHIFT:
-                    refs[0] += 1.0
+            cls = class_of_new(h, t)
             meta_of[key] = [cls, h, -1]
             queues[cls][key] = t
             fresh_roots[key] = t
         self._clock = t
         return n, [key for key, _ in victims]
+
+    def _class_of_new(self, h: int, t: int) -> int:
+        """The class of a key of hash ``h`` inserted at ``t`` (its ghost's, one up if it came back soon;
+        0 without one), counting the sampled reference: the lifetime policy's insert, which
+        :meth:`store_new` inlines."""
+        entry = self._table[h & self._slot_mask]
+        if entry and (entry >> 4) & 0xFFFF == h >> 16 and t - (entry >> 20) <= self._reach:
+            old = entry & 15
+            cls = old + 1 if old < self._top and t - (entry >> 20) <= self._repeat_within else old
+            if not h >> _SAMPLE_SHIFT:
+                self._hist[old][_bin(t - (entry >> 20))] += 1.0
+                self._refs[cls] += 1.0
+            return cls
+        if not h >> _SAMPLE_SHIFT:
+            self._refs[0] += 1.0
+        return 0
 
     def victims(self, count: int, pinned: Container[BlockKey]) -> list[BlockKey]:
         out: list[BlockKey] = []
