@@ -351,19 +351,29 @@ class AsyncTieredCache:
         indexes = self.residency.tiers
         with self._index_lock:
             where = self._still_ready(keys, located)
-            for t, key in zip(where, keys, strict=False):
-                indexes[t].pin(key)
-        n = len(where)
+            n = len(where)
+            one_tier = n > 0 and where.count(where[0]) == n  # the usual load: per-key steps in one call each
+            if one_tier:
+                indexes[where[0]].pin_many(keys[:n])
+            else:
+                for t, key in zip(where, keys, strict=False):
+                    indexes[t].pin(key)
         ok = [False] * n
         try:
             by_tier: dict[int, list[int]] = {}
-            for i, t in enumerate(where):
-                by_tier.setdefault(t, []).append(i)
+            if one_tier:
+                by_tier[where[0]] = list(range(n))
+            else:
+                for i, t in enumerate(where):
+                    by_tier.setdefault(t, []).append(i)
             results = await _together([
                 self._safe_io(t, "get", [keys[i] for i in idx],
                               self._blocks_for(t, buffers, idx, writable=True))
                 for t, idx in by_tier.items()])
             for (t, idx), res in zip(by_tier.items(), results, strict=True):
+                if one_tier and len(res) == n and False not in res:
+                    ok = [True] * n
+                    continue
                 failed = []
                 for i, hit in zip(idx, res, strict=True):
                     ok[i] = hit
@@ -373,15 +383,23 @@ class AsyncTieredCache:
                 await self._forget_lost(t, failed)
         finally:
             with self._index_lock:
-                for t, key in zip(where, keys, strict=False):
-                    indexes[t].unpin(key)
+                if one_tier:
+                    indexes[where[0]].unpin_many(keys[:n])
+                else:
+                    for t, key in zip(where, keys, strict=False):
+                        indexes[t].unpin(key)
         loaded = ok.index(False) if False in ok else n
         served = [0] * len(self.tiers)  # hits per tier
         with self._index_lock:
-            for t, key in zip(where[:loaded], keys, strict=False):
-                served[t] += 1
-                if not self.tiers[t].self_evicting:
-                    self.residency.touch(t, key)
+            if one_tier and loaded:
+                served[where[0]] = loaded
+                if not self.tiers[where[0]].self_evicting:
+                    self.residency.touch_all(where[0], keys[:loaded])
+            else:
+                for t, key in zip(where[:loaded], keys, strict=False):
+                    served[t] += 1
+                    if not self.tiers[t].self_evicting:
+                        self.residency.touch(t, key)
         # a tier misses every block the walk down the hierarchy asked it for and it did not serve
         below = loaded
         for activity, hits in zip(self._activity, served, strict=True):
@@ -1019,6 +1037,10 @@ class AsyncTieredCache:
     def _still_ready(self, keys: Sequence[BlockKey], where: list[int]) -> list[int]:
         """Cut ``where`` at the first local copy that stopped being READY while ``_locate`` awaited a
         remote tier (evicted, or rewritten and pending): a load must pin only what it can read."""
+        n = len(where)
+        if n and where.count(t := where[0]) == n and not self.tiers[t].self_evicting and list(
+                map(self.residency.tiers[t].entries.get, keys[:n])).count(READY) == n:
+            return where  # the usual case, in C-level passes
         for i, t in enumerate(where):
             if not self.tiers[t].self_evicting and not self.residency.tiers[t].is_ready(keys[i]):
                 return where[:i]
@@ -1040,7 +1062,7 @@ class AsyncTieredCache:
 
     async def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
         """Tier of each leading cached key (top-most copy); asks self-evicting tiers for the rest."""
-        where: list[int | None] = [self.residency.locate(k) for k in keys]
+        where = self.residency.locate_all(keys)
         if self._remote and None in where:
             for t in self._remote:
                 pending = [i for i, known in enumerate(where) if known is None]
@@ -1050,19 +1072,15 @@ class AsyncTieredCache:
                 for i, hit in zip(pending, present, strict=True):
                     if hit:
                         where[i] = t
-        found: list[int] = []
-        for located in where:
-            if located is None:
-                break
-            found.append(located)
-        return found
+        return cast("list[int]", where[:where.index(None)] if None in where else where)  # the leading run
 
     async def _promote(self, keys: Sequence[BlockKey], where: Sequence[int],
                        buffers: Sequence[torch.Tensor]) -> None:
         """Copy the hits ``keys`` (read from tiers ``where`` into ``buffers``) up: the residency plans it
         (:meth:`Residency.plan_promotion`, shared with ``kvtier replay``), this moves the bytes."""
-        if not any(map(self.residency.placement.should_promote, where)):
-            return  # no lock taken on a load served from the top
+        placement = self.residency.placement
+        if not (placement.promote_on_hit and where and max(where) > placement.promote_to):
+            return  # no lock taken on a load served from the top (no hit should_promote, in one pass)
         assert self._mutation is not None
         async with self._mutation:
             with self._index_lock:

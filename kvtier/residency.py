@@ -64,6 +64,26 @@ class TierIndex:
         else:
             self.pins.pop(key, None)
 
+    def pin_many(self, keys: Sequence[BlockKey]) -> None:
+        """:meth:`pin` of each of ``keys``; the usual batch (distinct keys, none pinned: a load's) in
+        C-level passes."""
+        pins = self.pins
+        if len(distinct := dict.fromkeys(keys, 1)) == len(keys) and pins.keys().isdisjoint(distinct):
+            pins.update(distinct)
+            return
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+
+    def unpin_many(self, keys: Sequence[BlockKey]) -> None:
+        """:meth:`unpin` of each of ``keys``; the usual batch (distinct keys pinned once) in C-level
+        passes."""
+        pins = self.pins
+        if list(map(pins.get, keys)).count(1) == len(keys) and len(set(keys)) == len(keys):
+            deque(map(pins.__delitem__, keys), maxlen=0)
+            return
+        for key in keys:
+            self.unpin(key)
+
     def fits(self, group_id: int) -> bool:
         """Whether this tier can ever hold a block of the group (capacity of at least one block)."""
         return self.self_evicting or self.capacity.get(group_id, 0) >= self.block_bytes.get(group_id, 1 << 62)
@@ -209,6 +229,13 @@ class Residency:
                 return t
         return None
 
+    def locate_all(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """:meth:`locate` of each key; with one tier holding every key READY (a load's usual batch) in
+        C-level passes."""
+        if len(self.tiers) == 1 and list(map(self.tiers[0].entries.get, keys)).count(READY) == len(keys):
+            return [0] * len(keys)
+        return [self.locate(key) for key in keys]
+
     def locate_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
         """Tiers of the leading run of keys with a known READY copy; stops at the first unknown."""
         found: list[int] = []
@@ -221,6 +248,15 @@ class Residency:
 
     def touch(self, tier: int, key: BlockKey) -> None:
         self.tiers[tier].policies[key.group_id].access(key)
+
+    def touch_all(self, tier: int, keys: Sequence[BlockKey]) -> None:
+        """:meth:`touch` of each of ``keys`` in order: one policy call when they share a group (a load's
+        hits)."""
+        if keys and all_of_group(keys, group_id := keys[0].group_id):
+            self.tiers[tier].policies[group_id].access_all(keys)
+            return
+        for key in keys:
+            self.touch(tier, key)
 
     # --- planning ----------------------------------------------------------------------------------
     def plan_store(self, keys: Sequence[BlockKey], hints: Sequence[InsertHint] | None = None, *,

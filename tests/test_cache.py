@@ -532,7 +532,8 @@ def test_a_batched_store_leaves_what_key_by_key_planning_and_per_block_copies_le
         slots: int, chained: bool, ops: list[tuple[str, list[int]]]) -> None:
     """A store of one tensor into a CPU tier (planned in one policy call, checked and copied as one batch)
     leaves the index, pins, eviction order and bytes that key-by-key planning with one buffer per block
-    leaves, whatever the batch holds (repeats, cached keys, more keys than room)."""
+    leaves, whatever the batch holds (repeats, cached keys, more keys than room); a load (located,
+    pinned, unpinned and touched in one call each) leaves what those steps key by key leave."""
     layout = small_layout()
     keys, blocks = make_keys(16), random_blocks(16, layout, seed=3)
 
@@ -540,6 +541,12 @@ def test_a_batched_store_leaves_what_key_by_key_planning_and_per_block_copies_le
         batched = AsyncTieredCache.from_config(_cpu_only_config(slots))
         by_key = AsyncTieredCache.from_config(_cpu_only_config(slots))
         by_key.residency._plan_batch = lambda *args: False  # type: ignore[method-assign]
+        # and a load's per-key steps one call per key (the batched cache takes each in one call)
+        residency, index = by_key.residency, by_key.residency.tiers[0]
+        residency.locate_all = lambda ks: [residency.locate(k) for k in ks]  # type: ignore[method-assign]
+        residency.touch_all = lambda t, ks: [residency.touch(t, k) for k in ks]  # type: ignore[method-assign]
+        index.pin_many = lambda ks: [index.pin(k) for k in ks]  # type: ignore[method-assign]
+        index.unpin_many = lambda ks: [index.unpin(k) for k in ks]  # type: ignore[method-assign]
         for cache in (batched, by_key):
             await cache.start()
         try:

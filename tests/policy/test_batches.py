@@ -32,8 +32,11 @@ def _step(policy: EvictionPolicy, batched: bool, op: tuple[str, list[int], list[
         policy.remove(KEYS[ids[0]])
         return []
     keys = [k for k in dict.fromkeys(KEYS[i] for i in ids) if k not in policy]
-    hints = [InsertHint(j, -1, keys[j - 1] if j else KEYS[pinned_ids[0]] if pinned_ids else None)
-             for j in range(len(keys))]
+    if kind == "store_unlinked":  # no chain links (a cache fed without hints)
+        hints = [InsertHint(j) for j in range(len(keys))]
+    else:
+        hints = [InsertHint(j, -1, keys[j - 1] if j else KEYS[pinned_ids[0]] if pinned_ids else None)
+                 for j in range(len(keys))]
     pinned = {*keys, *(KEYS[i] for i in pinned_ids)}
     store = policy.store_new if batched else lambda *a: EvictionPolicy.store_new(policy, *a)
     stored, victims = store(keys, hints, pinned, free)
@@ -42,7 +45,7 @@ def _step(policy: EvictionPolicy, batched: bool, op: tuple[str, list[int], list[
 
 
 _Op = tuple[str, list[int], list[int], int]
-_OP = st.tuples(st.sampled_from(["store", "store", "access", "remove"]),
+_OP = st.tuples(st.sampled_from(["store", "store", "store_unlinked", "access", "remove"]),
                 st.lists(st.integers(0, 39), min_size=1, max_size=10),
                 st.lists(st.integers(0, 39), max_size=4), st.integers(0, 6))
 
