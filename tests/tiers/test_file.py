@@ -880,18 +880,24 @@ BIG = {0: BlockLayout(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16)
        1: BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)}  # 2 MiB
 
 
+def stored_big_batch(root: Path, group: int, n: int) -> tuple[FileTier, list[BlockKey], list[torch.Tensor]]:
+    """A file tier on four I/O threads holding ``n`` random blocks of ``BIG[group]``, and those blocks."""
+    tier = FileTier("disk", BIG, {g: 1 << 30 for g in BIG}, root=root, namespace="ns", io_threads=4)
+    keys = [key(i, group) for i in range(n)]
+    gen = torch.Generator().manual_seed(group)
+    blocks = [torch.randint(0, 256, (BIG[group].nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
+    assert run(tier.put(keys, blocks)) == [True] * n
+    return tier, keys, blocks
+
+
 @pytest.mark.parametrize("group", [0, 1], ids=["256KiB", "2MiB"])
 @pytest.mark.parametrize("damage", ["none", "payload", "header", "checksum", "truncate", "gone"])
 def test_a_batch_of_real_sized_blocks_is_exact_and_damage_is_a_miss(
         tmp_path: Path, group: int, damage: str) -> None:
     """Eight warm blocks of 256 KiB or 2 MiB read by four threads: every intact block is bit-exact; a
     damaged block early and one late in the batch are misses, their files and index entries removed."""
-    tier = FileTier("disk", BIG, {g: 1 << 30 for g in BIG}, root=tmp_path, namespace="ns", io_threads=4)
     n = 8
-    keys = [key(i, group) for i in range(n)]
-    gen = torch.Generator().manual_seed(group)
-    blocks = [torch.randint(0, 256, (BIG[group].nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
-    assert run(tier.put(keys, blocks)) == [True] * n
+    tier, keys, blocks = stored_big_batch(tmp_path, group, n)
     damaged = [1, 6] if damage != "none" else []
     for i in damaged:
         path = tier.path_of(keys[i])
@@ -927,12 +933,8 @@ def test_a_wrong_out_buffer_in_a_real_sized_batch_reads_nothing_and_loses_nothin
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: int, bad_at: int) -> None:
     """A wrong buffer early or late in a batch is :class:`LayoutMismatch` naming it, raised before any
     block is read; every file and index entry stays, and the batch with the right buffer is exact."""
-    tier = FileTier("disk", BIG, {g: 1 << 30 for g in BIG}, root=tmp_path, namespace="ns", io_threads=4)
     n = 8
-    keys = [key(i, group) for i in range(n)]
-    gen = torch.Generator().manual_seed(group)
-    blocks = [torch.randint(0, 256, (BIG[group].nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
-    assert run(tier.put(keys, blocks)) == [True] * n
+    tier, keys, blocks = stored_big_batch(tmp_path, group, n)
     reads = []
     real_preadv = os.preadv
 
