@@ -1,6 +1,6 @@
 """Eviction policies on a real trace: the issue's target table, with LRU, ARC and both ceilings beside.
 
-    python benchmarks/bench_policies.py [--trace ../shared/traces/agentic_sessions.jsonl]
+    python benchmarks/bench_policies.py [--trace $KVTIER_TRACES/agentic_sessions.jsonl]  (docs/traces.md)
 
 Replays the trace at 1, 2, 5, 10 and 25 % of its distinct blocks through LRU, ARC, SIEVE, leaf-first
 LRU, the learned-lifetime policy and the default (``--all``: every registered policy), with the
@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+#: Where the public traces were downloaded (docs/traces.md).
+TRACES = Path(os.environ.get("KVTIER_TRACES", REPO / "traces"))
 sys.path.insert(0, str(REPO))  # for tests.policy.workloads
 
 from rich.console import Console  # noqa: E402
@@ -77,7 +79,9 @@ def shown(path: str | Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace",
-                        default=str(REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"))
+                        default=str(TRACES / "mooncake_conversation.jsonl"),
+                        help="a Mooncake or generic JSONL trace (default in $KVTIER_TRACES, else traces/; "
+                             "docs/traces.md)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
                         help="directory for plot and JSON")
     parser.add_argument("--repeats", type=int, default=3, help="replays per policy for the speed check")

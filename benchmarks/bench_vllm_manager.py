@@ -22,7 +22,8 @@ included), and scheduler-thread CPU per manager call (the main thread minus the 
 
     python benchmarks/bench_vllm_manager.py [TRACE] [--capacities 1,10,25] [--limit N] [--sides ...]
 
-TRACE defaults to the Mooncake conversation trace (``$KVTIER_TRACES`` or ../shared/traces). Needs vLLM.
+TRACE defaults to the Mooncake conversation trace in ``$KVTIER_TRACES`` (else ``traces/``;
+docs/traces.md). Needs vLLM.
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def replay(side: str, policy: str, requests: list[list[bytes]], capacity: int) -
 
 
 def default_trace() -> Path:
-    root = Path(os.environ.get("KVTIER_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
+    root = Path(os.environ.get("KVTIER_TRACES", Path(__file__).resolve().parents[1] / "traces"))
     return root / "mooncake_conversation.jsonl"
 
 
