@@ -193,11 +193,7 @@ class PageMover:
         """Write engine blocks ``block_ids`` from offloaded ``blocks``, starting ``skip`` engine blocks in."""
         source = self._block_rows(blocks, "blocks")
         n, bpc = source.shape[0], self.blocks_per_chunk
-        count = len(block_ids) if isinstance(block_ids, range) else \
-            block_ids.size if isinstance(block_ids, np.ndarray) else block_ids.numel()
-        if skip < 0 or skip + count > n * bpc:
-            raise LayoutMismatch(f"{count} engine blocks from {n} offloaded blocks of {bpc} "
-                                 f"(skipping {skip}) do not fit")
+        count = self._scatter_count(block_ids, n, skip)
         if self._host is not None and not isinstance(block_ids, range) and source.is_cpu:
             self._scatter_host(source.numpy(), self._host_ids(block_ids, count, "scatter"), skip)
             return
@@ -251,12 +247,7 @@ class PageMover:
         """:meth:`scatter` of the offloaded blocks in rows ``slots`` of ``slab`` (a CPU tier's slab) straight
         into engine blocks ``block_ids``, starting ``skip`` engine blocks in; no buffer between on the host
         (see :meth:`gather_rows`)."""
-        n = len(slots)
-        count = len(block_ids) if isinstance(block_ids, range) else \
-            block_ids.size if isinstance(block_ids, np.ndarray) else _as_tensor(block_ids).numel()
-        if skip < 0 or skip + count > n * self.blocks_per_chunk:
-            raise LayoutMismatch(f"{count} engine blocks from {n} offloaded blocks of "
-                                 f"{self.blocks_per_chunk} (skipping {skip}) do not fit")
+        count = self._scatter_count(block_ids, len(slots), skip)
         if not count:
             return
         if self._host_rows is not None and slab.is_cpu and not isinstance(block_ids, range):
@@ -272,6 +263,16 @@ class PageMover:
             return
         staged = slab.index_select(0, torch.as_tensor(list(slots), dtype=torch.int64, device=slab.device))
         self.scatter(staged, block_ids, skip)
+
+    def _scatter_count(self, block_ids: BlockIds, chunks: int, skip: int) -> int:
+        """How many engine blocks a scatter writes, checked to fit in ``chunks`` offloaded blocks after
+        ``skip``."""
+        count = len(block_ids) if isinstance(block_ids, range) else \
+            block_ids.size if isinstance(block_ids, np.ndarray) else _as_tensor(block_ids).numel()
+        if skip < 0 or skip + count > chunks * self.blocks_per_chunk:
+            raise LayoutMismatch(f"{count} engine blocks from {chunks} offloaded blocks of "
+                                 f"{self.blocks_per_chunk} (skipping {skip}) do not fit")
+        return count
 
     def _slab_rows(self, slab: torch.Tensor) -> np.ndarray:
         """``slab`` as numpy rows, checked; the last one is kept (a CPU tier hands the same slab every
@@ -415,12 +416,8 @@ class CudaPageMover(PageMover):
         """:meth:`scatter` straight out of rows ``slots`` of ``slab`` (a CPU tier's page-locked slab), by the
         kernels, asynchronously on :attr:`stream`: the rows must stay as they are (leased) until an event
         recorded after this call completed."""
-        ids = _as_tensor(block_ids)
-        if skip < 0 or skip + ids.numel() > len(slots) * self.blocks_per_chunk:
-            raise LayoutMismatch(f"{ids.numel()} engine blocks from {len(slots)} offloaded blocks of "
-                                 f"{self.blocks_per_chunk} (skipping {skip}) do not fit")
-        if ids.numel():
-            self._move(ids, slab, skip, into_engine=True, slots=slots)
+        if self._scatter_count(block_ids, len(slots), skip):
+            self._move(_as_tensor(block_ids), slab, skip, into_engine=True, slots=slots)
 
     def _move(self, block_ids: torch.Tensor, blocks: torch.Tensor, skip: int, *, into_engine: bool,
               slots: Sequence[int] | None = None) -> None:

@@ -370,8 +370,8 @@ def reachable(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
     if any(other.type != "cpu" for other in others):
         return False
     hosted = [tensor for tensor in tensors if tensor.device != device] if device in devices else tensors
-    allocations = {id(base if base is not None else tensor): base if base is not None else tensor
-                   for tensor, base in zip(hosted, map(_BASE, hosted), strict=True)}
+    allocations = {id(a): a for a in (t if base is None else base
+                                      for t, base in zip(hosted, map(_BASE, hosted), strict=True))}
     return all(allocation.is_pinned() for allocation in allocations.values())
 
 

@@ -246,7 +246,7 @@ class EngineKV:
         if isinstance(target, tuple):
             slab, rows = target
             slots: list[torch.Tensor] = [slab]
-            slot_ptrs = [slab.data_ptr() + row * slab.stride(0) for row in rows.tolist()]
+            slot_ptrs = (slab.data_ptr() + rows * slab.stride(0)).tolist()
         else:
             slots = target
             slot_ptrs = [slot.data_ptr() for slot in slots]
