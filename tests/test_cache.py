@@ -459,6 +459,28 @@ def test_read_leased_into_one_tensor_copies_each_block_from_its_slot() -> None:
         assert cache.stats().tiers[0].hits == 4
 
 
+def test_a_read_straight_from_the_slots_counts_each_block_once() -> None:
+    """``read_leased_with`` (an engine copying out of the CPU tier's slots itself) counts what
+    ``read_leased`` counts: each block read once, in the tier's counters and in its hits."""
+    layout = small_layout()
+    keys, blocks = make_keys(4), random_blocks(4, layout, seed=14)
+    with TieredCache.from_config(_cpu_only_config(4)) as cache:
+        assert cache.store(keys, blocks) == 4
+        counters = cache.core.tiers[0].counters
+        got: list[torch.Tensor] = []
+        where = cache.lease(keys)
+        assert cache.core.read_leased_with(keys, where, lambda slab, slots: got.append(slab[slots].clone()))
+        cache.release(keys, where)
+        assert counters.blocks_read == 4 and counters.bytes_read == 4 * layout.nbytes
+        assert same(got[0].view(layout.dtype).view(4, *layout.shape), blocks)
+        out = torch.empty((4, *layout.shape), dtype=layout.dtype)
+        where = cache.lease(keys)
+        cache.read_leased(keys, where, out)
+        cache.release(keys, where)
+        assert counters.blocks_read == 8 and counters.bytes_read == 8 * layout.nbytes
+        assert cache.stats().tiers[0].hits == 8
+
+
 @settings(max_examples=30, deadline=None)
 @given(order=st.permutations(range(5)), count=st.integers(1, 5))
 def test_read_leased_into_raw_rows_equals_the_typed_read(order: list[int], count: int) -> None:
