@@ -878,8 +878,7 @@ class AsyncTieredCache:
             activity.observe("get", elapsed)
             activity.hits += len(idx)
             if touch:
-                for i in idx:
-                    self.residency.touch(t, keys[i])
+                self.residency.touch_all(t, keys if len(idx) == len(keys) else [keys[i] for i in idx])
             if misses_above:
                 for above in self._activity[:t]:
                     above.misses += len(idx)

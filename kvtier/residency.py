@@ -115,12 +115,10 @@ class TierIndex:
         if self.self_evicting:
             return
         entries, pins = self.entries, self.pins
-        count = len(keys)
-        if ok and count and list(map(pins.get, keys)).count(1) == count and len(
-                distinct := set(keys)) == count and entries.keys() >= distinct:
-            # the usual batch (distinct keys, each indexed and pinned once: a store's pending writes):
-            # unpinned and READY in two C-level passes
-            deque(map(pins.__delitem__, keys), maxlen=0)
+        if ok and keys and entries.keys() >= set(keys):
+            # every key indexed (a store's pending writes): unpinned (in C-level passes for the usual
+            # batch, distinct keys pinned once) and READY
+            self.unpin_many(keys)
             entries.update(dict.fromkeys(keys, READY))
             return
         for key in keys:

@@ -157,10 +157,8 @@ class IndexMirror:
         if expected is not None and len(self._memory) == 1 and keys == expected[0]:
             get = self._memory[0].get
             if list(map(get, keys)).count(READY) == len(keys):
-                with self._lock:
-                    if keys[0].block_hash.startswith(self.codec.epoch):
-                        self.loadable.update(zip(expected[1], keys, strict=True))
-                        return
+                self.stored(expected[1], keys)  # keys of the current epoch (store_with checked)
+                return
         # KeyCodec.offload_key inlined (hash without its epoch tag + the group's suffix): every store
         # and every eviction lands here, once per block, on the scheduler's thread
         loadable, memory, suffixes = self.loadable, self._memory, self.codec.suffixes
