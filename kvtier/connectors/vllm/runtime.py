@@ -573,14 +573,15 @@ class OffloadRuntime:
         itself (into the engine's pages, with no buffer between), and the leases are released. True when
         done; None, nothing done and nothing released, for a load it does not take (staged or lost
         blocks, several tiers or groups, a placed load): then :meth:`read` it. ``keep_leases``: ``read``
-        only enqueued the copies (CUDA kernels), so the slots stay leased on success and the caller
-        :meth:`release` s them once the copies completed."""
+        only enqueued the copies (CUDA kernels), so the slots stay leased, also when ``read`` raised, and
+        the caller :meth:`release` s them once the copies completed."""
         if placed or not keys or STAGED in sources or LOST in sources:
             return None
         try:
             done = self.core.read_leased_with(keys, sources, read, touch=False)
         except BaseException:
-            self.release(keys, sources)
+            if not keep_leases:
+                self.release(keys, sources)
             raise
         if not done:
             return None

@@ -206,23 +206,23 @@ class KVTierOffloadWorkerCore:
         g, _, ids, skip = move
         mover = self.movers[g]
         future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        leases = None
         try:
             done = self.runtime.read_with(
                 keys, sources, lambda slab, slots: mover.scatter_rows(slab, slots, ids, skip), placed=placed,
                 keep_leases=cuda)
         except Exception as exc:  # reported by get_finished as a failed job, never raised into the step
-            if cuda:  # read_with released the leases: let no copy that was enqueued still read the slots
+            if cuda:  # no copy that was enqueued may still read the slots once they are released
                 cast("torch.cuda.Stream", self._stream).synchronize()
+                self.runtime.release(keys, sources)
             future.set_exception(exc)
-            done = True
-        if done is None:
-            return False
-        leased = cuda and not future.done()
-        if not future.done():
+        else:
+            if done is None:
+                return False
             future.set_result(done)
-        nbytes = len(keys) * self.runtime.core.layouts[keys[0].group_id].nbytes
-        self._jobs[job_id] = _Job(future, is_load=True, nbytes=nbytes, started=time.perf_counter(),
-                                  copied=self._copies_done(), leases=(keys, sources) if leased else None)
+            leases = (keys, sources) if cuda else None
+        self._jobs[job_id] = _Job(future, is_load=True, nbytes=self._nbytes(keys),
+                                  started=time.perf_counter(), copied=self._copies_done(), leases=leases)
         return True
 
     def _store_direct(self, job_id: int, keys: list[BlockKey],
@@ -250,9 +250,13 @@ class KVTierOffloadWorkerCore:
                                          offload_keys=getattr(dst_spec, "offload_keys", ()))
         if future is None:
             return False
-        nbytes = len(keys) * self.runtime.core.layouts[keys[0].group_id].nbytes
-        self._jobs[job_id] = _Job(future, is_load=False, nbytes=nbytes, started=time.perf_counter())
+        self._jobs[job_id] = _Job(future, is_load=False, nbytes=self._nbytes(keys),
+                                  started=time.perf_counter())
         return True
+
+    def _nbytes(self, keys: list[BlockKey]) -> int:
+        """Bytes of a direct job's blocks (keys of one group)."""
+        return len(keys) * self.runtime.core.layouts[keys[0].group_id].nbytes
 
     def _copies_done(self) -> Any:
         """An event after the page copies enqueued so far on the transfer stream (None without CUDA)."""
