@@ -329,7 +329,7 @@ class FileTier(Tier):
         self.counters.write_seconds += time.perf_counter() - start
         by_key = dict(zip(last, outcomes, strict=True))
         for outcome in outcomes:
-            self._count(outcome, write=True)
+            self._count_write(outcome)
         disk_full = any(outcome.error == "enospc" for outcome in outcomes)
         if disk_full or (self.capacity_bytes != self.configured_capacity_bytes
                          and time.monotonic() - self._disk_checked_at >= DISK_RECHECK_SECONDS):
@@ -1047,18 +1047,16 @@ class FileTier(Tier):
                                  f"got {block.device}")
         return block.numpy()
 
-    def _count(self, outcome: _Outcome, *, write: bool) -> None:
+    def _count_write(self, outcome: _Outcome) -> None:
+        """Counters and health of one block written (reads are tallied per batch in :meth:`get`)."""
         if outcome.error is not None:
             self.counters.error(outcome.error)
-            if write and outcome.error in ("enospc", "io"):
+            if outcome.error in ("enospc", "io"):
                 self.report_health(False, f"writes failing ({outcome.error})")
-        elif write:
+        else:
             self.report_health(True)
             self.counters.blocks_written += 1
             self.counters.bytes_written += outcome.device_bytes
-        else:
-            self.counters.blocks_read += 1
-            self.counters.bytes_read += outcome.device_bytes
 
     def _log_over_capacity(self, keys: Mapping[BlockKey, int]) -> None:
         if not log.isEnabledFor(logging.DEBUG):
