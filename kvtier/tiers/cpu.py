@@ -137,23 +137,12 @@ class CpuTier(Tier):
 
     def put_rows(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> list[bool]:
         """:meth:`put_now` of a batch the caller checked (a contiguous ``[len(keys), nbytes]`` uint8 CPU
-        tensor, keys of one group of this tier, as :meth:`_is_row_batch` says): one copy for the batch."""
-        start = time.perf_counter()
-        group_id = keys[0].group_id
-        slab = self._slabs[group_id]
-        slots = self._slots.assign_many(group_id, keys)
-        if None in slots:  # the slab filled up: copy the rows that got a slot
-            placed = [i for i, slot in enumerate(slots) if slot is not None]
-            rows = rows[torch.tensor(placed, dtype=torch.long)]
-            ok = [slot is not None for slot in slots]
-            slots = [slots[i] for i in placed]
-        else:
-            ok = [True] * len(keys)
-        _copy_batch(rows.numpy(), slab.tensor.numpy(), cast("list[int]", slots), into_slab=True)
-        self.counters.blocks_written += len(slots)
-        self.counters.bytes_written += len(slots) * slab.slot_bytes
-        self.counters.write_seconds += time.perf_counter() - start
-        return ok
+        tensor, keys of one group of this tier, as :meth:`_is_row_batch` says): :meth:`put_with` with one
+        copy for the batch."""
+        def copy_rows(slab: torch.Tensor, slots: list[int], placed: list[int] | None) -> None:
+            src = rows if placed is None else rows[torch.tensor(placed, dtype=torch.long)]
+            _copy_batch(src.numpy(), slab.numpy(), slots, into_slab=True)
+        return self.put_with(keys, copy_rows)
 
     def _slab_of(self, keys: Sequence[BlockKey], caller: str) -> tuple[int, _Slab]:
         """The group and slab of a batch whose keys all belong to one of this tier's groups."""
