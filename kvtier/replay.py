@@ -264,7 +264,10 @@ class _Clock:
             ns = ns * 1_000_000_000 + (int(frac) * 10 ** (9 - len(frac)) if frac else 0)
         elif _NUMBER(text) is not None:
             kind = "seconds"
-            ns = round(float(text) * 1e9)
+            seconds = float(text)
+            if not math.isfinite(seconds) or abs(seconds) > 1e15:
+                raise ValueError("seconds out of range")
+            ns = round(seconds * 1e9)
         else:
             raise ValueError("expected YYYY-MM-DD HH:MM:SS[.fraction] (at most 9 fractional digits) "
                              "or a number of seconds")

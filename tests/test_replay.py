@@ -277,6 +277,8 @@ def test_azure_header_in_any_case_and_order_with_extra_columns(tmp_path: Path) -
 def test_azure_plain_seconds_and_forced_format(tmp_path: Path) -> None:
     trace = read_trace(_csv(tmp_path, "TIMESTAMP,ContextTokens\n100.25,32\n101,1\n1.2e2,2\n"), format="azure")
     assert trace.timestamps == [0.0, 0.75, 19.75] and [len(r) for r in trace.requests] == [2, 1, 1]
+    with pytest.raises(TraceFormatError, match=r"huge\.csv:3: column TIMESTAMP: bad timestamp '1e999'"):
+        read_trace(_csv(tmp_path, "TIMESTAMP,ContextTokens\n1,2\n1e999,2\n", "huge.csv"))
     assert read_trace(_csv(tmp_path, "", "empty.csv"), format="azure").requests == []
     with pytest.raises(TraceFormatError, match=r"empty\.jsonl:2: expected a CSV header"):
         read_trace(_csv(tmp_path, '\n{"blocks": [1]}\n', "empty.jsonl"), format="azure")
