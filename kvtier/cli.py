@@ -288,6 +288,7 @@ def _demo_policies(trace_path: str, plot_dir: str | None) -> int:
         read_trace,
         results_table,
         run_all,
+        trace_note,
     )
 
     try:
@@ -300,6 +301,8 @@ def _demo_policies(trace_path: str, plot_dir: str | None) -> int:
                   f"(a few minutes for a long trace) ...")
     results = run_all(trace, plan_runs(DEMO_POLICIES, capacities), lambda n: None)
     Console(width=max(console.width, 170)).print(results_table(trace, results))
+    if (note := trace_note(trace)["note"]) is not None:
+        console.print(f"[bold yellow]note:[/bold yellow] {escape(note)}")
     if plot_dir:
         path = plot_results(trace, results, Path(plot_dir) / f"policies_{Path(trace_path).stem}.png")
         console.print(f"plot written to {path}")
@@ -474,8 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.add_argument("--trace", nargs="*", default=[], metavar="TRACE",
-                      help="then replay each trace (Mooncake or generic JSONL) through the eviction "
-                           "policies and print their table (e.g. $KVTIER_TRACES/*.jsonl; docs/traces.md)")
+                      help="then replay each trace (Mooncake or generic JSONL, Azure CSV) through the "
+                           "eviction policies and print their table (e.g. $KVTIER_TRACES/*.jsonl; "
+                           "docs/traces.md)")
     demo.add_argument("--plot-dir", help="with --trace: write each trace's plot there")
     demo.set_defaults(func=cmd_demo)
 

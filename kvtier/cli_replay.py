@@ -22,6 +22,7 @@ from kvtier.policy.placement import PlacementPolicy
 from kvtier.replay import (
     CEILINGS,
     DEFAULT_BYTES_PER_TOKEN,
+    TRACE_FORMATS,
     TraceFormatError,
     check_plot_target,
     parse_capacity,
@@ -31,6 +32,7 @@ from kvtier.replay import (
     results_json,
     results_table,
     run_all,
+    trace_note,
 )
 
 DEFAULT_CAPACITIES = ["1%", "5%", "10%", "25%"]
@@ -41,13 +43,16 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     policies = sorted(EVICTION_POLICIES)
     p = subparsers.add_parser(
         "replay", help="replay a request trace through eviction and placement policies (no bytes moved)",
-        description="Replay a Mooncake or generic JSONL trace through the cache's own residency, "
+        description="Replay a Mooncake or generic JSONL trace, or an Azure CSV trace, through the cache's "
+                    "own residency, "
                     "eviction and placement objects, metadata only. LRU and Belady's MIN are always "
                     "replayed beside the policies asked for.")
-    p.add_argument("trace", help="JSONL trace (Mooncake's hash_ids lines, or kvtier's generic format)")
-    p.add_argument("--format", choices=["auto", "mooncake", "generic"], default="auto")
+    p.add_argument("trace", help="JSONL trace (Mooncake's hash_ids lines, or kvtier's generic format), or an "
+                                 "Azure CSV trace (TIMESTAMP,ContextTokens,...; no prefix information)")
+    p.add_argument("--format", choices=list(TRACE_FORMATS), default="auto")
     p.add_argument("--block-tokens", type=int, default=None,
-                   help="tokens per block id (default: 512 for Mooncake, the header's or 16 for generic)")
+                   help="tokens per block id (default: 512 for Mooncake, the header's or 16 for generic, "
+                        "16 for azure)")
     p.add_argument("--capacity", nargs="+", default=None, metavar="CAP",
                    help="single-tier capacities: block counts or %% of the trace's distinct blocks "
                         f"(default: {' '.join(DEFAULT_CAPACITIES).replace('%', '%%')} "
@@ -176,6 +181,9 @@ def run_replay(args: argparse.Namespace) -> int:
                   f"leading cached blocks of each request / all input tokens; min = Belady's MIN under the "
                   f"replay's rules (every miss stored; the ceiling gap-closed figures use), belady = Belady "
                   f"with bypass (block-hit optimum)")
+        note = trace_note(trace)["note"]
+        if note is not None:
+            out.print(f"[bold yellow]note:[/bold yellow] {escape(note)}")
     if args.plot:
         path = plot_results(trace, results, args.plot)
         (err if args.json else Console()).print(f"plot written to {escape(str(path))}")

@@ -5,7 +5,7 @@
 :class:`~kvtier.cache.TieredCache` plans with, and per request what the cache does (locate, touch,
 promote, store), with plans executed against nothing and counted. Beside every policy it replays
 LRU and two ceilings (Belady's MIN under the replay's rules, Belady with bypass). docs/policies.md
-describes the rules, the trace formats (Mooncake, generic) and the output columns.
+describes the rules, the trace formats (Mooncake, generic, Azure CSV) and the output columns.
 
 One module: a trace, its replay and the table of results are read together (the table's columns are
 the replay's counters, its baselines the runs the replay adds); the command line is
@@ -14,12 +14,18 @@ the replay's counters, its baselines the runs the replay adds); the command line
 
 from __future__ import annotations
 
+import csv
+import datetime
+import gc
 import hashlib
 import heapq
+import itertools
 import json
 import math
+import re
+import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -34,6 +40,9 @@ from kvtier.residency import READY, Residency, TierIndex
 
 #: Tokens per hash id in Mooncake traces.
 MOONCAKE_BLOCK_TOKENS = 512
+#: Tokens per block of an Azure CSV trace (it has no blocks of its own; 16 as vLLM's default).
+AZURE_BLOCK_TOKENS = 16
+TRACE_FORMATS = ("auto", "mooncake", "generic", "azure")
 #: KV bytes per token of Llama-3-8B in bf16 (32 layers × 2 × 8 KV heads × 128 × 2 bytes); the default
 #: for turning block counts into bytes.
 DEFAULT_BYTES_PER_TOKEN = 131072
@@ -49,7 +58,12 @@ class TraceFormatError(KVTierError, ValueError):
 
 @dataclass
 class Trace:
-    """A request trace with its block keys built once (equal ids share one key object)."""
+    """A request trace with its block keys built once (equal ids share one key object).
+
+    ``timestamps``: each request's arrival in seconds after the first request's, when the file gives
+    every request one (empty otherwise). ``prefix_information``: False when the format carries no
+    prefix information (Azure CSV: every block id is new, so no block can ever hit).
+    """
 
     name: str
     format: str
@@ -57,6 +71,8 @@ class Trace:
     requests: list[list[BlockKey]]
     tokens: list[int]
     distinct_blocks: int
+    timestamps: list[float] = field(default_factory=list)
+    prefix_information: bool = True
 
     _hints: list[list[InsertHint]] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -89,6 +105,11 @@ class Trace:
     def input_tokens(self) -> int:
         return sum(self.tokens)
 
+    @property
+    def duration_seconds(self) -> float | None:
+        """Seconds from the first request's arrival to the last one's (None without timestamps)."""
+        return max(self.timestamps) - min(self.timestamps) if self.timestamps else None
+
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "format": self.format, "requests": len(self.requests),
                 "block_references": self.references, "distinct_blocks": self.distinct_blocks,
@@ -118,13 +139,14 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | None = None,
                limit: int | None = None) -> Trace:
-    """Read a Mooncake or generic JSONL trace (see the module docstring).
+    """Read a Mooncake or generic JSONL trace, or an Azure CSV trace (see docs/policies.md).
 
-    ``format`` is ``auto`` (decided by the first request line), ``mooncake`` or ``generic``.
-    ``limit`` keeps the first N requests. Raises :class:`TraceFormatError` naming the line.
+    ``format`` is ``auto`` (an Azure CSV header on the first non-empty line, else decided by the first
+    request line), ``mooncake``, ``generic`` or ``azure``. ``limit`` keeps the first N requests.
+    Raises :class:`TraceFormatError` naming the line.
     """
-    if format not in ("auto", "mooncake", "generic"):
-        raise ValueError(f"format must be 'auto', 'mooncake' or 'generic', got {format!r}")
+    if format not in TRACE_FORMATS:
+        raise ValueError(f"format must be one of {', '.join(map(repr, TRACE_FORMATS))}, got {format!r}")
     if block_tokens is not None and block_tokens <= 0:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
     if limit is not None and limit < 0:
@@ -139,8 +161,13 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
     tokens: list[int] = []
     kind = None if format == "auto" else format
     header_block_tokens: int | None = None
+    stamps: list[float] | None = []  # None once a request has no usable timestamp
     with handle:
-        for lineno, line in enumerate(handle, 1):
+        lines = enumerate(handle, 1)
+        first = next(((n, line) for n, line in lines if line.strip()), None)
+        if format == "azure" or (format == "auto" and first is not None and _azure_header(first[1])):
+            return _read_azure(path, first, lines, block_tokens=block_tokens, limit=limit)
+        for lineno, line in itertools.chain([first] if first is not None else [], lines):
             if limit is not None and len(requests) >= limit:
                 break
             text = line.strip()
@@ -172,11 +199,144 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
                 ids, count = _generic_request(record, where, bt)
             requests.append([make_key(i) for i in ids])
             tokens.append(count)
+            if stamps is not None:
+                stamp = record.get("timestamp")
+                if (isinstance(stamp, int | float) and not isinstance(stamp, bool)
+                        and math.isfinite(stamp)):
+                    stamps.append(stamp / 1000 if kind == "mooncake" else stamp)  # Mooncake: ms
+                else:
+                    stamps = None  # not an error: timestamps were never required
     if kind is None:
         kind = "generic" if format == "auto" else format
     bt = block_tokens or (MOONCAKE_BLOCK_TOKENS if kind == "mooncake" else header_block_tokens or 16)
     return Trace(name=path.name, format=kind, block_tokens=bt, requests=requests, tokens=tokens,
-                 distinct_blocks=len(make_key.keys))
+                 distinct_blocks=len(make_key.keys),
+                 timestamps=[t - stamps[0] for t in stamps] if stamps else [])
+
+
+# --- Azure CSV (Azure/AzurePublicDataset: TIMESTAMP,ContextTokens,GeneratedTokens) ---------------------
+
+_AZURE_TIME = "timestamp"
+_AZURE_TOKENS = "contexttokens"
+_DATETIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?",
+                       re.ASCII).fullmatch
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII).fullmatch
+_PACK_ID = struct.Struct("<Q").pack
+
+
+def _csv_fields(line: str) -> list[str]:
+    """One CSV line's fields, stripped (``csv`` only when the line quotes something)."""
+    fields = next(csv.reader([line])) if '"' in line else line.split(",")
+    return [f.strip() for f in fields]
+
+
+def _azure_columns(line: str) -> list[str]:
+    return [c.lower() for c in _csv_fields(line.lstrip("\ufeff").rstrip("\r\n"))]
+
+
+def _azure_header(line: str) -> bool:
+    """Whether ``line`` is an Azure CSV header: TIMESTAMP and ContextTokens columns, any case and order."""
+    columns = _azure_columns(line)
+    return _AZURE_TIME in columns and _AZURE_TOKENS in columns
+
+
+class _Clock:
+    """Timestamps to integer nanoseconds: ``YYYY-MM-DD HH:MM:SS[.fraction]`` (up to 9 fractional
+    digits; ``datetime.fromisoformat`` on 3.11 takes at most 6) or plain seconds; one kind per file."""
+
+    def __init__(self) -> None:
+        self.days: dict[str, int] = {}
+        self.kind: str | None = None
+
+    def __call__(self, text: str) -> int:
+        """Nanoseconds since an arbitrary epoch; ValueError with the reason when ``text`` is none of these."""
+        m = _DATETIME(text)
+        if m is not None:
+            kind = "date and time"
+            day = self.days.get(text[:10])
+            if day is None:
+                day = self.days[text[:10]] = datetime.date(int(m[1]), int(m[2]), int(m[3])).toordinal()
+            h, mi, sec = int(m[4]), int(m[5]), int(m[6])
+            if h > 23 or mi > 59 or sec > 59:
+                raise ValueError("time of day out of range")
+            frac = m[7]
+            ns = ((day * 24 + h) * 60 + mi) * 60 + sec
+            ns = ns * 1_000_000_000 + (int(frac) * 10 ** (9 - len(frac)) if frac else 0)
+        elif _NUMBER(text) is not None:
+            kind = "seconds"
+            seconds = float(text)
+            if not math.isfinite(seconds) or abs(seconds) > 1e15:
+                raise ValueError("seconds out of range")
+            ns = round(seconds * 1e9)
+        else:
+            raise ValueError("expected YYYY-MM-DD HH:MM:SS[.fraction] (at most 9 fractional digits) "
+                             "or a number of seconds")
+        if self.kind is None:
+            self.kind = kind
+        elif kind != self.kind:
+            raise ValueError(f"a timestamp in {kind} in a file whose first is in {self.kind}")
+        return ns
+
+
+def _read_azure(path: Path, first: tuple[int, str] | None, lines: Iterator[tuple[int, str]], *,
+                block_tokens: int | None, limit: int | None) -> Trace:
+    """An Azure CSV trace: each request ``ceil(ContextTokens / block_tokens)`` blocks whose ids are new
+    (unique across the trace: the file knows nothing of shared prefixes, so none is invented), chained
+    as in the other formats by their order in the request; a request of 0 tokens has no blocks (kept,
+    so requests and timestamps stay one per row). GeneratedTokens and other columns are not read."""
+    bt = block_tokens or AZURE_BLOCK_TOKENS
+    if first is None:
+        return Trace(name=path.name, format="azure", block_tokens=bt, requests=[], tokens=[],
+                     distinct_blocks=0, prefix_information=False)
+    header_line, header = first
+    names = _csv_fields(header.lstrip("\ufeff").rstrip("\r\n"))
+    columns = [n.lower() for n in names]
+    if _AZURE_TIME not in columns or _AZURE_TOKENS not in columns:
+        raise TraceFormatError(f"{path}:{header_line}: expected a CSV header with TIMESTAMP and "
+                               f"ContextTokens columns, got {header.strip()[:120]!r}")
+    width = len(columns)
+    t_col, n_col = columns.index(_AZURE_TIME), columns.index(_AZURE_TOKENS)
+    t_name, n_name = names[t_col], names[n_col]
+    clock = _Clock()
+    counts: list[int] = []
+    stamps: list[int] = []
+    for lineno, line in lines:
+        if limit is not None and len(counts) >= limit:
+            break
+        if not line.strip():
+            continue
+        fields = _csv_fields(line.rstrip("\r\n"))
+        if len(fields) != width:
+            raise TraceFormatError(f"{path}:{lineno}: expected {width} columns ({', '.join(names)}), "
+                                   f"got {len(fields)}")
+        count = fields[n_col]
+        if not (count.isascii() and count.isdigit()):
+            raise TraceFormatError(f"{path}:{lineno}: column {n_name}: expected a non-negative integer, "
+                                   f"got {count!r}")
+        try:
+            stamps.append(clock(fields[t_col]))
+        except ValueError as exc:
+            raise TraceFormatError(f"{path}:{lineno}: column {t_name}: bad timestamp "
+                                   f"{fields[t_col]!r} ({exc})") from None
+        counts.append(int(count))
+    # ids by range arithmetic: request r's blocks are ids starts[r] .. starts[r+1]-1
+    enabled = gc.isenabled()
+    gc.disable()  # a million small tuples: the collector would walk them again and again
+    try:
+        sizes = [-(-c // bt) for c in counts]
+        ends = list(itertools.accumulate(sizes))
+        total = ends[-1] if ends else 0
+        new = tuple.__new__
+        raw = zip(map(_PACK_ID, range(total)), itertools.repeat(0))
+        keys = list(map(new, itertools.repeat(BlockKey), raw))
+        requests = [keys[e - n:e] for e, n in zip(ends, sizes, strict=True)]
+    finally:
+        if enabled:
+            gc.enable()
+    t0 = stamps[0] if stamps else 0
+    return Trace(name=path.name, format="azure", block_tokens=bt, requests=requests, tokens=counts,
+                 distinct_blocks=total, timestamps=[(t - t0) / 1e9 for t in stamps],
+                 prefix_information=False)
 
 
 def _mooncake_request(record: dict[str, Any], where: str, block_tokens: int) -> tuple[list[int], int]:
@@ -624,6 +784,31 @@ def _closed(results: Sequence[ReplayResult], result: ReplayResult) -> tuple[floa
     return gap_closed(result, best, ceiling), best.policy
 
 
+def trace_note(trace: Trace) -> dict[str, Any]:
+    """What the results of ``trace`` can and cannot say, for under the table and for ``--json``.
+
+    ``note`` is None unless the hit ratios are 0 by construction: a format without prefix information
+    (Azure CSV), or a trace in which no block id repeats.
+    """
+    duration = trace.duration_seconds
+    n = len(trace.requests)
+    rate = n / duration if duration else None
+    note = None
+    if trace.references and (not trace.prefix_information or trace.distinct_blocks == trace.references):
+        why = (f"the {trace.format} format has arrival times and lengths only, no prefix information, so "
+               f"every block of every request gets an id of its own"
+               if not trace.prefix_information else "no block id occurs twice in this trace")
+        arrivals = (f"{n:,} requests over {duration:,.0f} s, {rate:.2f}/s"
+                    if duration and rate is not None else f"{n:,} requests, no timestamps")
+        note = (f"every hit ratio here is 0 by construction: {why}, and a block never seen before "
+                f"cannot hit — for every policy and both ceilings, so the table says nothing about the "
+                f"policies. Still good for: the arrival pattern ({arrivals}); write volume (all "
+                f"{trace.references:,} block references miss; what fits is stored, see written per "
+                f"tier; belady bypasses them all); tier churn (evictions once a tier is full).")
+    return {"format": trace.format, "prefix_information": trace.prefix_information, "requests": n,
+            "duration_seconds": duration, "requests_per_second": rate, "note": note}
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if abs(n) < 1024 or unit == "PiB":
@@ -661,7 +846,9 @@ def results_table(trace: Trace, results: Sequence[ReplayResult]) -> Any:
         previous = shape
         lru = next((x for x in results if x.policy == "lru" and tuple(x.capacities) == shape), None)
         share, baseline = _closed(results, r)
-        closed = "" if share is None else f"{share:.0%} (from {baseline})"
+        # a policy row with a baseline but no share: MIN is no better than it (0 % of nothing is not 0 %)
+        closed = (f"{share:.0%} (from {baseline})" if share is not None else
+                  "n/a (no gap)" if baseline is not None else "")
         delta = "" if lru is None or r is lru else f"{r.prefix_hit_ratio - lru.prefix_hit_ratio:+.4f}"
         pct = "+".join(f"{c:,} ({100 * c / max(1, trace.distinct_blocks):.3g}%)" for c in r.capacities)
         row = [pct, r.policy, f"{r.block_hit_ratio:.4f}", f"{r.prefix_hit_ratio:.4f}", delta, closed]
@@ -683,7 +870,8 @@ def results_json(trace: Trace, results: Sequence[ReplayResult]) -> dict[str, Any
         item["gap_closed"], item["gap_baseline"] = _closed(results, r)
         item["gap_ceiling"] = MIN_POLICY if item["gap_closed"] is not None else None
         out.append(item)
-    return {"trace": trace.summary(), "default_policy": DEFAULT_EVICTION, "results": out}
+    return {"trace": trace.summary(), "trace_note": trace_note(trace), "default_policy": DEFAULT_EVICTION,
+            "results": out}
 
 
 def check_plot_target(path: str | Path) -> None:

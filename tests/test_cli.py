@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,28 @@ tiers:
     out = capsys.readouterr().out
     assert "leaf_lru" in out and "adaptive" in out and "belady" in out and "gap to min closed" in out
     assert (tmp_path / "plots" / "policies_mooncake_slice.png").stat().st_size > 10_000
+
+
+def test_replay_of_an_azure_csv_says_its_ratios_are_zero_by_construction(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "azure.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"2023-11-16 18:15:{i:02d}.{i:07d},{100 * i + 7},3\n" for i in range(30)))
+    assert main(["replay", str(trace), "--no-progress", "--capacity", "10%", "50%"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the note is wrapped to the terminal
+    assert "note: every hit ratio here is 0 by construction" in out and "no prefix information" in out
+    assert "30 requests over 29 s" in out and "n/a (no gap)" in out
+    assert main(["replay", str(trace), "--no-progress", "--format", "azure", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    note = doc["trace_note"]
+    assert note["format"] == "azure" and note["prefix_information"] is False
+    assert note["duration_seconds"] == pytest.approx(29.0000029) and "0 by construction" in note["note"]
+    assert doc["trace"]["format"] == "azure" and doc["trace"]["block_tokens"] == 16
+    assert all(r["block_hit_ratio"] == 0 == r["prefix_hit_ratio"] for r in doc["results"])
+    bad = tmp_path / "bad.csv"
+    bad.write_text("timestamp,contexttokens\n2023-11-16 18:15:00,-4\n")
+    assert main(["replay", str(bad), "--no-progress"]) == 2
+    assert f"{bad}:2: column contexttokens:" in " ".join(capsys.readouterr().err.split())
 
 
 @pytest.mark.parametrize("example", sorted((REPO / "examples").glob("**/*.yaml")), ids=lambda p: p.name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ from kvtier.replay import (
     read_trace,
     replay,
     results_json,
+    results_table,
     run_all,
+    trace_note,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -225,3 +228,127 @@ def test_command_reports_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixtu
     bad.write_text('{"hash_ids": [1], "input_length": 10}\n{"hash_ids": [1], "input_length": -1}\n')
     assert main(["replay", str(bad), "--no-progress"]) == 2
     assert f"{bad}:2:" in capsys.readouterr().err
+
+
+# --- Azure CSV ------------------------------------------------------------------------------------------
+
+AZURE_ROWS = ("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+              "2023-11-16 18:15:46.6805900,374,44\n"
+              "2023-11-16 18:15:50.9951690,396,109\n"
+              "\n"
+              "2023-11-16 18:15:51.2224670,16,1\n")
+
+
+def _csv(tmp_path: Path, text: str, name: str = "azure.csv") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_azure_csv_is_detected_and_cut_into_new_chained_blocks(tmp_path: Path) -> None:
+    trace = read_trace(_csv(tmp_path, AZURE_ROWS))
+    assert trace.format == "azure" and trace.block_tokens == 16 and not trace.prefix_information
+    assert [len(r) for r in trace.requests] == [24, 25, 1]  # ceil(374/16), ceil(396/16), 16/16
+    assert trace.tokens == [374, 396, 16] and trace.input_tokens == 786
+    assert trace.references == trace.distinct_blocks == 50
+    assert len({k for r in trace.requests for k in r}) == 50  # no id shared, within or across requests
+    # chained as the other formats: block j's predecessor is block j-1 of the same request
+    hints = trace.chain_hints()
+    assert hints[1][0].predecessor is None and hints[1][3].predecessor is trace.requests[1][2]
+    assert trace.timestamps == [0.0, 4.314579, 4.541877]  # 7 fractional digits, relative to the first
+    assert trace.duration_seconds == pytest.approx(4.541877)
+    assert [len(r) for r in read_trace(_csv(tmp_path, AZURE_ROWS), block_tokens=100).requests] == [4, 4, 1]
+    assert len(read_trace(_csv(tmp_path, AZURE_ROWS), limit=2).requests) == 2
+
+
+def test_azure_header_in_any_case_and_order_with_extra_columns(tmp_path: Path) -> None:
+    path = _csv(tmp_path, "\ufeff generatedtokens , contexttokens,region,timestamp\n"
+                          "5,17,eu,2023-01-31 23:59:59.999999999\n"
+                          "6,0,us,2023-02-01 00:00:00.5\n"
+                          '7,"33",eu,2023-02-01T00:00:01\n')
+    trace = read_trace(path)
+    assert trace.format == "azure" and trace.tokens == [17, 0, 33]
+    assert [len(r) for r in trace.requests] == [2, 0, 3]  # 0 tokens: a request with no blocks
+    assert trace.timestamps == [0.0, 0.500000001, 1.000000001]
+    result = replay(trace, "lru", [2])  # an empty request replays as nothing
+    assert result.references == 5 and result.block_hits == 0 and result.prefix_hit_tokens == 0
+
+
+def test_azure_plain_seconds_and_forced_format(tmp_path: Path) -> None:
+    trace = read_trace(_csv(tmp_path, "TIMESTAMP,ContextTokens\n100.25,32\n101,1\n1.2e2,2\n"), format="azure")
+    assert trace.timestamps == [0.0, 0.75, 19.75] and [len(r) for r in trace.requests] == [2, 1, 1]
+    with pytest.raises(TraceFormatError, match=r"huge\.csv:3: column TIMESTAMP: bad timestamp '1e999'"):
+        read_trace(_csv(tmp_path, "TIMESTAMP,ContextTokens\n1,2\n1e999,2\n", "huge.csv"))
+    assert read_trace(_csv(tmp_path, "", "empty.csv"), format="azure").requests == []
+    with pytest.raises(TraceFormatError, match=r"empty\.jsonl:2: expected a CSV header"):
+        read_trace(_csv(tmp_path, '\n{"blocks": [1]}\n', "empty.jsonl"), format="azure")
+
+
+@pytest.mark.parametrize(("row", "column", "value"), [
+    ("2023-11-16 18:15:46.1,-3,4", "ContextTokens", "'-3'"),
+    ("2023-11-16 18:15:46.1,1.5,4", "ContextTokens", "'1.5'"),
+    ("2023-11-16 18:15:46.1,,4", "ContextTokens", "''"),
+    ("2023-11-16 18:15:46.1,many,4", "ContextTokens", "'many'"),
+    ("2023-11-16 25:15:46.1,3,4", "TIMESTAMP", "'2023-11-16 25:15:46.1'"),
+    ("2023-13-16 18:15:46.1,3,4", "TIMESTAMP", "'2023-13-16 18:15:46.1'"),
+    ("2023-11-16 18:15:46.1234567890,3,4", "TIMESTAMP", "'2023-11-16 18:15:46.1234567890'"),
+    ("16/11/2023 18:15,3,4", "TIMESTAMP", "'16/11/2023 18:15'"),
+    ("17.5,3,4", "TIMESTAMP", "'17.5'"),  # seconds in a file whose first timestamp is a date
+    ("2023-11-16 18:15:46.1,3", None, "expected 3 columns"),
+    ("2023-11-16 18:15:46.1,3,4,5", None, "got 4"),
+])
+def test_azure_bad_rows_name_line_column_and_value(tmp_path: Path, row: str, column: str | None,
+                                                   value: str) -> None:
+    header = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:40,10,1\n\n"
+    path = _csv(tmp_path, header + row + "\n")
+    with pytest.raises(TraceFormatError) as info:
+        read_trace(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:4: "), message
+    if column is not None:
+        assert f"column {column}:" in message
+    assert value in message
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 3000), max_size=40), st.integers(1, 600))
+def test_azure_block_counts_and_unique_ids(tmp_path_factory: pytest.TempPathFactory, counts: list[int],
+                                           block_tokens: int) -> None:
+    rows = "".join(f"{i}.5,{c},1\n" for i, c in enumerate(counts))
+    path = tmp_path_factory.mktemp("azure") / "t.csv"
+    path.write_text("Timestamp,ContextTokens,GeneratedTokens\n" + rows)
+    trace = read_trace(path, block_tokens=block_tokens)
+    assert [len(r) for r in trace.requests] == [math.ceil(c / block_tokens) for c in counts]
+    assert trace.tokens == counts
+    flat = [k for r in trace.requests for k in r]
+    assert len(set(flat)) == len(flat) == trace.distinct_blocks == trace.references
+    assert trace.timestamps == [float(i) for i in range(len(counts))]
+
+
+def test_timestamps_of_the_json_formats(tmp_path: Path) -> None:
+    assert read_trace(TINY).timestamps == [0.0, 0.01, 0.02, 0.03, 0.04, 0.05]  # Mooncake: ms
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"blocks": [1], "timestamp": 12.5}\n{"blocks": [2], "timestamp": 14}\n')
+    assert read_trace(path).timestamps == [0.0, 1.5]
+    path.write_text('{"blocks": [1], "timestamp": 12.5}\n{"blocks": [2]}\n')
+    assert read_trace(path).timestamps == []  # not every request has one: none
+    assert read_trace(SLICE).duration_seconds is not None
+
+
+def test_a_trace_without_prefix_information_says_so(tmp_path: Path) -> None:
+    trace = read_trace(_csv(tmp_path, AZURE_ROWS))
+    results = run_all(trace, plan_runs(["default"], [5, 20]), lambda n: None)
+    assert all(r.block_hits == 0 and r.prefix_hit_ratio == 0 for r in results)
+    note = trace_note(trace)
+    assert note["format"] == "azure" and note["prefix_information"] is False
+    assert note["duration_seconds"] == pytest.approx(4.541877) and "0 by construction" in note["note"]
+    assert results_json(trace, results)["trace_note"] == note
+    mooncake = trace_note(read_trace(TINY))
+    assert mooncake["prefix_information"] is True and mooncake["note"] is None
+    assert mooncake["duration_seconds"] == pytest.approx(0.05)
+    # the default's gap to MIN: no gap to close, said as such (not a blank, not 0 %)
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(results_table(trace, results))
+    assert console.export_text().count("n/a (no gap)") == 2
