@@ -51,8 +51,8 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
                                  "Azure CSV trace (TIMESTAMP,ContextTokens,...; no prefix information)")
     p.add_argument("--format", choices=list(TRACE_FORMATS), default="auto")
     p.add_argument("--block-tokens", type=int, default=None,
-                   help="tokens per block id (default: 512 for Mooncake, the header's or 16 for generic, "
-                        "16 for azure)")
+                   help="tokens per block id (default: read off a Mooncake-format file, 512 where it fits; "
+                        "the header's or 16 for generic; 16 for azure)")
     p.add_argument("--capacity", nargs="+", default=None, metavar="CAP",
                    help="single-tier capacities: block counts or %% of the trace's distinct blocks "
                         f"(default: {' '.join(DEFAULT_CAPACITIES).replace('%', '%%')} "

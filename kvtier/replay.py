@@ -162,6 +162,8 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
     kind = None if format == "auto" else format
     header_block_tokens: int | None = None
     stamps: list[float] | None = []  # None once a request has no usable timestamp
+    sizes: list[tuple[str, int, int]] = []  # Mooncake format: (where, hash ids, input_length) per request
+    seconds = False  # Mooncake format: timestamps in seconds (Bailian), not milliseconds
     with handle:
         lines = enumerate(handle, 1)
         first = next(((n, line) for n, line in lines if line.strip()), None)
@@ -191,11 +193,13 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
                 continue
             if kind is None:
                 kind = "mooncake" if "hash_ids" in record else "generic"
-            bt = block_tokens or (MOONCAKE_BLOCK_TOKENS if kind == "mooncake" else header_block_tokens or 16)
             ids: Sequence[int | str]
             if kind == "mooncake":
-                ids, count = _mooncake_request(record, where, bt)
+                ids, count = _mooncake_request(record, where)
+                sizes.append((where, len(ids), count))
+                seconds = seconds or "chat_id" in record  # Alibaba's Bailian traces: seconds, not ms
             else:
+                bt = block_tokens or header_block_tokens or 16
                 ids, count = _generic_request(record, where, bt)
             requests.append([make_key(i) for i in ids])
             tokens.append(count)
@@ -203,15 +207,52 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
                 stamp = record.get("timestamp")
                 if (isinstance(stamp, int | float) and not isinstance(stamp, bool)
                         and math.isfinite(stamp)):
-                    stamps.append(stamp / 1000 if kind == "mooncake" else stamp)  # Mooncake: ms
+                    stamps.append(stamp)
                 else:
                     stamps = None  # not an error: timestamps were never required
     if kind is None:
         kind = "generic" if format == "auto" else format
-    bt = block_tokens or (MOONCAKE_BLOCK_TOKENS if kind == "mooncake" else header_block_tokens or 16)
+    if kind == "mooncake":
+        bt = block_tokens or _mooncake_block_tokens(sizes)
+        _check_mooncake_sizes(sizes, bt, inferred=block_tokens is None)
+        if stamps and not seconds:
+            stamps = [t / 1000 for t in stamps]  # Mooncake's own traces: milliseconds
+    else:
+        bt = block_tokens or header_block_tokens or 16
     return Trace(name=path.name, format=kind, block_tokens=bt, requests=requests, tokens=tokens,
                  distinct_blocks=len(make_key.keys),
                  timestamps=[t - stamps[0] for t in stamps] if stamps else [])
+
+
+def _mooncake_block_tokens(sizes: Sequence[tuple[str, int, int]]) -> int:
+    """The tokens per hash id of a Mooncake-format trace that does not say: the block size for which
+    every request's ``ceil(input_length / size) == len(hash_ids)``. Mooncake's own traces use 512,
+    Alibaba's Bailian (Qwen) traces 16; 512 whenever it fits, else the smallest power of two that
+    fits, else the smallest size that does; 512 when none fits (the check then names a line)."""
+    lo, hi = 1, math.inf
+    for _, n, length in sizes:
+        if n:
+            lo = max(lo, -(-length // n))
+            if n > 1:
+                hi = min(hi, (length - 1) // (n - 1))
+    if lo <= MOONCAKE_BLOCK_TOKENS <= hi:
+        return MOONCAKE_BLOCK_TOKENS
+    if lo > hi:
+        return MOONCAKE_BLOCK_TOKENS
+    power = 1 << (lo - 1).bit_length()
+    return power if power <= hi else lo
+
+
+def _check_mooncake_sizes(sizes: Sequence[tuple[str, int, int]], block_tokens: int, *,
+                          inferred: bool) -> None:
+    """Every request's hash id count matches its input_length at ``block_tokens`` tokens per id."""
+    for where, n, length in sizes:
+        if -(-length // block_tokens) != n:
+            hint = ("no one block size fits every line of this trace" if inferred
+                    else "set --block-tokens to the trace's block size")
+            raise TraceFormatError(
+                f"{where}: {n} hash_ids for input_length={length}, but {block_tokens} tokens per id "
+                f"needs {-(-length // block_tokens)}; {hint}")
 
 
 # --- Azure CSV (Azure/AzurePublicDataset: TIMESTAMP,ContextTokens,GeneratedTokens) ---------------------
@@ -339,7 +380,7 @@ def _read_azure(path: Path, first: tuple[int, str] | None, lines: Iterator[tuple
                  prefix_information=False)
 
 
-def _mooncake_request(record: dict[str, Any], where: str, block_tokens: int) -> tuple[list[int], int]:
+def _mooncake_request(record: dict[str, Any], where: str) -> tuple[list[int], int]:
     ids = record.get("hash_ids")
     if not isinstance(ids, list):
         raise TraceFormatError(f"{where}: 'hash_ids' must be a list of block ids, got {ids!r}")
@@ -349,10 +390,6 @@ def _mooncake_request(record: dict[str, Any], where: str, block_tokens: int) -> 
     length = record.get("input_length")
     if not _is_int(length) or length < 0:
         raise TraceFormatError(f"{where}: 'input_length' must be a non-negative integer, got {length!r}")
-    if -(-length // block_tokens) != len(ids):
-        raise TraceFormatError(
-            f"{where}: {len(ids)} hash_ids for input_length={length}, but {block_tokens} tokens per id "
-            f"needs {-(-length // block_tokens)}; set --block-tokens to the trace's block size")
     return ids, length
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,7 @@ def test_generic_format(tmp_path: Path) -> None:
     ('{"hash_ids": "12", "input_length": 5}', "'hash_ids' must be a list"),
     ('{"hash_ids": [1, -2], "input_length": 600}', "integers in [0, 2^64)"),
     ('{"hash_ids": [1, 2], "input_length": "long"}', "'input_length' must be"),
-    ('{"hash_ids": [1, 2], "input_length": 2000}', "set --block-tokens"),
+    ('{"hash_ids": [1, 2, 3], "input_length": 60}', "no one block size fits every line"),
     ('{"hash_ids": [1], "input_length": 100}\n{"blocks": [1]}', "'hash_ids' must be a list"),
     ('{"blocks": [1, true]}', "block ids must be integers or non-empty strings"),
     ('{"blocks": [1, 2], "tokens": 1000}', "'tokens' must be an integer in [0, 32]"),
@@ -107,6 +108,44 @@ def test_bad_lines_are_reported_with_their_line_number(tmp_path: Path, line: str
         read_trace(path)
     assert str(info.value).startswith(f"{path}:{lineno}: "), str(info.value)
     assert message in str(info.value)
+
+
+def test_a_block_size_given_that_does_not_fit_names_the_line_and_the_option(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"hash_ids": [1], "input_length": 100}\n{"hash_ids": [1, 2], "input_length": 2000}\n')
+    with pytest.raises(TraceFormatError, match=rf"^{re.escape(str(path))}:2: .*set --block-tokens"):
+        read_trace(path, block_tokens=512)
+
+
+def test_mooncake_format_at_another_block_size_is_inferred(tmp_path: Path) -> None:
+    """Alibaba's Bailian (Qwen) traces are Mooncake lines at 16 tokens per hash id, in seconds."""
+    path = tmp_path / "qwen_traceA_blksz_16.jsonl"
+    rows = [{"chat_id": 159, "parent_chat_id": -1, "timestamp": 61.114, "input_length": 521,
+             "output_length": 132, "type": "text", "turn": 1, "hash_ids": list(range(33))},
+            {"chat_id": 160, "parent_chat_id": 159, "timestamp": 62.5, "input_length": 600,
+             "output_length": 80, "type": "text", "turn": 2, "hash_ids": list(range(38))}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace = read_trace(path)
+    assert (trace.format, trace.block_tokens) == ("mooncake", 16)
+    assert trace.requests[1][:33] == trace.requests[0]  # the second turn continues the first's prefix
+    assert trace.timestamps == pytest.approx([0.0, 1.386])
+    mooncake = tmp_path / "m.jsonl"  # Mooncake's own: 512 tokens per id, milliseconds
+    mooncake.write_text('{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}\n'
+                        '{"timestamp": 2500, "input_length": 100, "hash_ids": [1]}\n')
+    trace = read_trace(mooncake)
+    assert trace.block_tokens == 512 and trace.timestamps == [0.0, 2.5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 4, 16, 64, 512, 1024]),
+       st.lists(st.integers(min_value=0, max_value=5000), min_size=1, max_size=20))
+def test_the_inferred_block_size_fits_every_line(tmp_path_factory: pytest.TempPathFactory, size: int,
+                                                 lengths: list[int]) -> None:
+    path = tmp_path_factory.mktemp("bs") / "t.jsonl"
+    path.write_text("".join(json.dumps({"input_length": n, "hash_ids": list(range(-(-n // size)))}) + "\n"
+                            for n in lengths))
+    trace = read_trace(path)
+    assert [len(r) for r in trace.requests] == [-(-n // trace.block_tokens) for n in lengths]
 
 
 def test_missing_trace_file_is_a_clear_error(tmp_path: Path) -> None:
