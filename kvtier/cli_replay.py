@@ -48,11 +48,12 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "eviction and placement objects, metadata only. LRU and Belady's MIN are always "
                     "replayed beside the policies asked for.")
     p.add_argument("trace", help="JSONL trace (Mooncake's hash_ids lines, or kvtier's generic format), or an "
-                                 "Azure CSV trace (TIMESTAMP,ContextTokens,...; no prefix information)")
+                                 "Azure or BurstGPT CSV trace (TIMESTAMP,ContextTokens,... / Timestamp,...,"
+                                 "Request tokens,...; no prefix information)")
     p.add_argument("--format", choices=list(TRACE_FORMATS), default="auto")
     p.add_argument("--block-tokens", type=int, default=None,
                    help="tokens per block id (default: read off a Mooncake-format file, 512 where it fits; "
-                        "the header's or 16 for generic; 16 for azure)")
+                        "the header's or 16 for generic; 16 for azure and burstgpt)")
     p.add_argument("--capacity", nargs="+", default=None, metavar="CAP",
                    help="single-tier capacities: block counts or %% of the trace's distinct blocks "
                         f"(default: {' '.join(DEFAULT_CAPACITIES).replace('%', '%%')} "

@@ -42,7 +42,7 @@ from kvtier.residency import READY, Residency, TierIndex
 MOONCAKE_BLOCK_TOKENS = 512
 #: Tokens per block of an Azure CSV trace (it has no blocks of its own; 16 as vLLM's default).
 AZURE_BLOCK_TOKENS = 16
-TRACE_FORMATS = ("auto", "mooncake", "generic", "azure")
+TRACE_FORMATS = ("auto", "mooncake", "generic", "azure", "burstgpt")
 #: KV bytes per token of Llama-3-8B in bf16 (32 layers × 2 × 8 KV heads × 128 × 2 bytes); the default
 #: for turning block counts into bytes.
 DEFAULT_BYTES_PER_TOKEN = 131072
@@ -167,8 +167,8 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
     with handle:
         lines = enumerate(handle, 1)
         first = next(((n, line) for n, line in lines if line.strip()), None)
-        if format == "azure" or (format == "auto" and first is not None and _azure_header(first[1])):
-            return _read_azure(path, first, lines, block_tokens=block_tokens, limit=limit)
+        if format in _LENGTH_CSV or (format == "auto" and first is not None and _length_csv(first[1])):
+            return _read_length_csv(path, first, lines, block_tokens=block_tokens, limit=limit)
         for lineno, line in itertools.chain([first] if first is not None else [], lines):
             if limit is not None and len(requests) >= limit:
                 break
@@ -258,7 +258,8 @@ def _check_mooncake_sizes(sizes: Sequence[tuple[str, int, int]], block_tokens: i
 # --- Azure CSV (Azure/AzurePublicDataset: TIMESTAMP,ContextTokens,GeneratedTokens) ---------------------
 
 _AZURE_TIME = "timestamp"
-_AZURE_TOKENS = "contexttokens"
+#: the prompt-length column of each length-only CSV format (lower case): Azure's, BurstGPT's
+_LENGTH_CSV = {"azure": "contexttokens", "burstgpt": "request tokens"}
 _DATETIME = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?",
                        re.ASCII).fullmatch
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII).fullmatch
@@ -275,10 +276,15 @@ def _azure_columns(line: str) -> list[str]:
     return [c.lower() for c in _csv_fields(line.lstrip("\ufeff").rstrip("\r\n"))]
 
 
-def _azure_header(line: str) -> bool:
-    """Whether ``line`` is an Azure CSV header: TIMESTAMP and ContextTokens columns, any case and order."""
+def _length_csv(line: str) -> str | None:
+    """The length-only CSV format whose header ``line`` is (a timestamp column and Azure's ContextTokens
+    or BurstGPT's Request tokens, any case and order), or None."""
     columns = _azure_columns(line)
-    return _AZURE_TIME in columns and _AZURE_TOKENS in columns
+    if _AZURE_TIME in columns:
+        for name, tokens in _LENGTH_CSV.items():
+            if tokens in columns:
+                return name
+    return None
 
 
 class _Clock:
@@ -319,24 +325,27 @@ class _Clock:
         return ns
 
 
-def _read_azure(path: Path, first: tuple[int, str] | None, lines: Iterator[tuple[int, str]], *,
-                block_tokens: int | None, limit: int | None) -> Trace:
-    """An Azure CSV trace: each request ``ceil(ContextTokens / block_tokens)`` blocks whose ids are new
-    (unique across the trace: the file knows nothing of shared prefixes, so none is invented), chained
-    as in the other formats by their order in the request; a request of 0 tokens has no blocks (kept,
-    so requests and timestamps stay one per row). GeneratedTokens and other columns are not read."""
+def _read_length_csv(path: Path, first: tuple[int, str] | None, lines: Iterator[tuple[int, str]], *,
+                     block_tokens: int | None, limit: int | None) -> Trace:
+    """A length-only CSV trace (Azure's TIMESTAMP,ContextTokens,... or BurstGPT's Timestamp,Model,Request
+    tokens,...): each request ``ceil(tokens / block_tokens)`` blocks whose ids are new (unique across
+    the trace: the file knows nothing of shared prefixes, so none is invented), chained as in the other
+    formats by their order in the request; a request of 0 tokens has no blocks (kept, so requests and
+    timestamps stay one per row). Output lengths and other columns are not read."""
     bt = block_tokens or AZURE_BLOCK_TOKENS
     if first is None:
         return Trace(name=path.name, format="azure", block_tokens=bt, requests=[], tokens=[],
                      distinct_blocks=0, prefix_information=False)
     header_line, header = first
+    kind = _length_csv(header)
+    if kind is None:
+        raise TraceFormatError(f"{path}:{header_line}: expected a CSV header with TIMESTAMP and "
+                               f"ContextTokens (Azure) or Request tokens (BurstGPT) columns, "
+                               f"got {header.strip()[:120]!r}")
     names = _csv_fields(header.lstrip("\ufeff").rstrip("\r\n"))
     columns = [n.lower() for n in names]
-    if _AZURE_TIME not in columns or _AZURE_TOKENS not in columns:
-        raise TraceFormatError(f"{path}:{header_line}: expected a CSV header with TIMESTAMP and "
-                               f"ContextTokens columns, got {header.strip()[:120]!r}")
     width = len(columns)
-    t_col, n_col = columns.index(_AZURE_TIME), columns.index(_AZURE_TOKENS)
+    t_col, n_col = columns.index(_AZURE_TIME), columns.index(_LENGTH_CSV[kind])
     t_name, n_name = names[t_col], names[n_col]
     clock = _Clock()
     counts: list[int] = []
@@ -375,7 +384,7 @@ def _read_azure(path: Path, first: tuple[int, str] | None, lines: Iterator[tuple
         if enabled:
             gc.enable()
     t0 = stamps[0] if stamps else 0
-    return Trace(name=path.name, format="azure", block_tokens=bt, requests=requests, tokens=counts,
+    return Trace(name=path.name, format=kind, block_tokens=bt, requests=requests, tokens=counts,
                  distinct_blocks=total, timestamps=[(t - t0) / 1e9 for t in stamps],
                  prefix_information=False)
 

@@ -323,6 +323,21 @@ def test_azure_plain_seconds_and_forced_format(tmp_path: Path) -> None:
         read_trace(_csv(tmp_path, '\n{"blocks": [1]}\n', "empty.jsonl"), format="azure")
 
 
+def test_burstgpt_csv_is_read_like_azure(tmp_path: Path) -> None:
+    """BurstGPT's Timestamp,Model,Request tokens,...: seconds, lengths, no prefix information."""
+    path = _csv(tmp_path, "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                          "5,ChatGPT,472,18,490,Conversation log\n"
+                          "45,GPT-4,0,20,20,API log\n"
+                          "118,GPT-4,417,276,693,Conversation log\n", "BurstGPT_1.csv")
+    trace = read_trace(path)
+    assert (trace.format, trace.block_tokens, trace.prefix_information) == ("burstgpt", 16, False)
+    assert trace.tokens == [472, 0, 417] and [len(r) for r in trace.requests] == [30, 0, 27]
+    assert trace.timestamps == [0.0, 40.0, 113.0] and trace.distinct_blocks == 57
+    assert read_trace(path, format="burstgpt").requests == trace.requests
+    with pytest.raises(TraceFormatError, match=r"BurstGPT_1\.csv:3: column Request tokens: .*'-1'"):
+        read_trace(_csv(tmp_path, "Timestamp,Request tokens\n1,2\n2,-1\n", "BurstGPT_1.csv"))
+
+
 @pytest.mark.parametrize(("row", "column", "value"), [
     ("2023-11-16 18:15:46.1,-3,4", "ContextTokens", "'-3'"),
     ("2023-11-16 18:15:46.1,1.5,4", "ContextTokens", "'1.5'"),
