@@ -14,21 +14,25 @@ the replay's counters, its baselines the runs the replay adds); the command line
 
 from __future__ import annotations
 
+import bz2
 import csv
 import datetime
 import gc
+import gzip
 import hashlib
 import heapq
 import itertools
 import json
+import lzma
 import math
 import re
 import struct
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import IO, Any, TypeGuard, cast
 
 from kvtier.blocks import BlockKey
 from kvtier.errors import KVTierError
@@ -152,10 +156,7 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     path = Path(path)
-    try:
-        handle = path.open("r", encoding="utf-8")
-    except OSError as exc:
-        raise TraceFormatError(f"{path}: cannot read trace: {exc.strerror}") from None
+    handle = _open_text(path)
     make_key = _KeyMaker()
     requests: list[list[BlockKey]] = []
     tokens: list[int] = []
@@ -164,52 +165,56 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
     stamps: list[float] | None = []  # None once a request has no usable timestamp
     sizes: list[tuple[str, int, int]] = []  # Mooncake format: (where, hash ids, input_length) per request
     seconds = False  # Mooncake format: timestamps in seconds (Bailian), not milliseconds
-    with handle:
-        lines = enumerate(handle, 1)
-        first = next(((n, line) for n, line in lines if line.strip()), None)
-        if format in _LENGTH_CSV or (format == "auto" and first is not None and _length_csv(first[1])):
-            return _read_length_csv(path, first, lines, block_tokens=block_tokens, limit=limit)
-        for lineno, line in itertools.chain([first] if first is not None else [], lines):
-            if limit is not None and len(requests) >= limit:
-                break
-            text = line.strip()
-            if not text:
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(record, dict):
-                raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            if "kvtier_trace" in record:
-                if requests or kind == "mooncake":
-                    raise TraceFormatError(f"{where}: a kvtier_trace header must be the first line")
-                header_block_tokens = record.get("block_tokens", 16)
-                if not _is_int(header_block_tokens) or header_block_tokens <= 0:
-                    raise TraceFormatError(f"{where}: block_tokens must be a positive integer, "
-                                           f"got {header_block_tokens!r}")
-                kind = "generic"
-                continue
-            if kind is None:
-                kind = "mooncake" if "hash_ids" in record else "generic"
-            ids: Sequence[int | str]
-            if kind == "mooncake":
-                ids, count = _mooncake_request(record, where)
-                sizes.append((where, len(ids), count))
-                seconds = seconds or "chat_id" in record  # Alibaba's Bailian traces: seconds, not ms
-            else:
-                bt = block_tokens or header_block_tokens or 16
-                ids, count = _generic_request(record, where, bt)
-            requests.append([make_key(i) for i in ids])
-            tokens.append(count)
-            if stamps is not None:
-                stamp = record.get("timestamp")
-                if (isinstance(stamp, int | float) and not isinstance(stamp, bool)
-                        and math.isfinite(stamp)):
-                    stamps.append(stamp)
+    try:
+        with handle:
+            lines = enumerate(handle, 1)
+            first = next(((n, line) for n, line in lines if line.strip()), None)
+            if format in _LENGTH_CSV or (format == "auto" and first is not None and _length_csv(first[1])):
+                return _read_length_csv(path, first, lines, block_tokens=block_tokens, limit=limit)
+            for lineno, line in itertools.chain([first] if first is not None else [], lines):
+                if limit is not None and len(requests) >= limit:
+                    break
+                text = line.strip()
+                if not text:
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise TraceFormatError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})"
+                                           ) from None
+                if not isinstance(record, dict):
+                    raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+                if "kvtier_trace" in record:
+                    if requests or kind == "mooncake":
+                        raise TraceFormatError(f"{where}: a kvtier_trace header must be the first line")
+                    header_block_tokens = record.get("block_tokens", 16)
+                    if not _is_int(header_block_tokens) or header_block_tokens <= 0:
+                        raise TraceFormatError(f"{where}: block_tokens must be a positive integer, "
+                                               f"got {header_block_tokens!r}")
+                    kind = "generic"
+                    continue
+                if kind is None:
+                    kind = "mooncake" if "hash_ids" in record else "generic"
+                ids: Sequence[int | str]
+                if kind == "mooncake":
+                    ids, count = _mooncake_request(record, where)
+                    sizes.append((where, len(ids), count))
+                    seconds = seconds or "chat_id" in record  # Alibaba's Bailian traces: seconds, not ms
                 else:
-                    stamps = None  # not an error: timestamps were never required
+                    bt = block_tokens or header_block_tokens or 16
+                    ids, count = _generic_request(record, where, bt)
+                requests.append([make_key(i) for i in ids])
+                tokens.append(count)
+                if stamps is not None:
+                    stamp = record.get("timestamp")
+                    if (isinstance(stamp, int | float) and not isinstance(stamp, bool)
+                            and math.isfinite(stamp)):
+                        stamps.append(stamp)
+                    else:
+                        stamps = None  # not an error: timestamps were never required
+    except (UnicodeDecodeError, EOFError, OSError, lzma.LZMAError, zlib.error) as exc:
+        raise TraceFormatError(f"{path}: cannot read trace: {_unreadable(exc)}") from None
     if kind is None:
         kind = "generic" if format == "auto" else format
     if kind == "mooncake":
@@ -222,6 +227,33 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
     return Trace(name=path.name, format=kind, block_tokens=bt, requests=requests, tokens=tokens,
                  distinct_blocks=len(make_key.keys),
                  timestamps=[t - stamps[0] for t in stamps] if stamps else [])
+
+
+#: leading bytes of the compressed files a trace may come in (public traces often ship compressed)
+_COMPRESSED = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lzma.open))
+
+
+def _open_text(path: Path) -> IO[str]:
+    """``path`` as UTF-8 text lines, through gzip, bz2 or xz when its first bytes say it is compressed."""
+    try:
+        with path.open("rb") as raw:
+            magic = raw.read(6)
+        opener = next((op for sig, op in _COMPRESSED if magic.startswith(sig)), None)
+        if opener is None:
+            return path.open("r", encoding="utf-8")
+        return cast("IO[str]", opener(path, "rt", encoding="utf-8"))
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot read trace: {exc.strerror or exc}") from None
+
+
+def _unreadable(exc: BaseException) -> str:
+    """Why a trace's bytes could not be read as text, for the error."""
+    if isinstance(exc, UnicodeDecodeError):
+        return (f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x}): traces are JSONL or CSV, plain or "
+                f"gzip/bz2/xz-compressed")
+    if isinstance(exc, EOFError):
+        return f"the compressed file is truncated ({exc})"
+    return str(getattr(exc, "strerror", None) or exc)
 
 
 def _mooncake_block_tokens(sizes: Sequence[tuple[str, int, int]]) -> int:

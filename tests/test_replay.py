@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -115,6 +119,32 @@ def test_a_block_size_given_that_does_not_fit_names_the_line_and_the_option(tmp_
     path.write_text('{"hash_ids": [1], "input_length": 100}\n{"hash_ids": [1, 2], "input_length": 2000}\n')
     with pytest.raises(TraceFormatError, match=rf"^{re.escape(str(path))}:2: .*set --block-tokens"):
         read_trace(path, block_tokens=512)
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, bz2.compress, lzma.compress])
+def test_compressed_traces_read_as_the_plain_file(tmp_path: Path, compress: Callable[[bytes], bytes]) -> None:
+    text = ('{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}\n'
+            '{"timestamp": 5, "input_length": 100, "hash_ids": [1]}\n')
+    plain, packed = tmp_path / "t.jsonl", tmp_path / "t.jsonl.z"
+    plain.write_text(text)
+    packed.write_bytes(compress(text.encode()))
+    assert read_trace(packed).requests == read_trace(plain).requests
+    csv_text = "TIMESTAMP,ContextTokens\n1,40\n2,3\n"
+    (tmp_path / "a.csv.z").write_bytes(compress(csv_text.encode()))
+    assert [len(r) for r in read_trace(tmp_path / "a.csv.z").requests] == [3, 1]
+
+
+def test_unreadable_trace_files_are_named_errors(tmp_path: Path) -> None:
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\x00\xd0\xff" * 100)
+    with pytest.raises(TraceFormatError, match=r"model\.bin: cannot read trace: not UTF-8 text"):
+        read_trace(binary)
+    truncated = tmp_path / "t.jsonl.gz"
+    truncated.write_bytes(gzip.compress(b'{"blocks": [1, 2]}\n' * 5000)[:200])
+    with pytest.raises(TraceFormatError, match=r"gz: cannot read trace: the compressed file is truncated"):
+        read_trace(truncated)
+    with pytest.raises(TraceFormatError, match="cannot read trace"):
+        read_trace(tmp_path)  # a folder
 
 
 def test_mooncake_format_at_another_block_size_is_inferred(tmp_path: Path) -> None:
