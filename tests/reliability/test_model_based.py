@@ -39,7 +39,7 @@ from tests.reliability.conftest import (
     universe,
 )
 
-CHAINS, LENGTH = 4, 6  # four prompts of six blocks: 24 keys over 3 CPU + 8 file slots
+CHAINS, LENGTH = 4, 6  # four prompts of six hash blocks: 24 keys per 16-token group over 3 CPU + 8 file slots
 DAMAGE = ["flip_payload", "flip_header", "truncate", "delete"]
 
 
@@ -53,73 +53,94 @@ class CacheUnderCalls(RuleBasedStateMachine):
         self.folder = Path(tempfile.mkdtemp(prefix="kvtier-model-"))
         self.cache: TieredCache | None = None
         self.config: dict[str, Any] = {}
-        self.oracle = Oracle(call_timeout=20.0)
-        tag = uuid.uuid4().hex
-        keys = universe(CHAINS * LENGTH, tag=tag)
-        self.chains = [keys[c * LENGTH:(c + 1) * LENGTH] for c in range(CHAINS)]
+        self.tag = uuid.uuid4().hex
+        self.chains: list[list[list[BlockKey]]] = []  # per group, per prompt: its keys in order
+        self.oracles: list[Oracle] = []  # per group (each judges its group's block size)
         self.damaged = False  # a file was damaged: its key stays indexed until a read finds it out
         self.deleted = False  # a file was deleted under the running tier: its index and the disk differ
-        self.rng = random.Random(tag)
+        self.rng = random.Random(self.tag)
 
     @initialize(with_redis=st.booleans(), write_mode=st.sampled_from(["write_back", "write_through"]),
-                keep_lower_copy=st.booleans())
-    def open_cache(self, with_redis: bool, write_mode: str, keep_lower_copy: bool) -> None:
+                keep_lower_copy=st.booleans(), hybrid=st.booleans())
+    def open_cache(self, with_redis: bool, write_mode: str, keep_lower_copy: bool, hybrid: bool) -> None:
+        """One KV-cache group of 16-token blocks, or (``hybrid``) a second of 32-token blocks beside it
+        (a sliding-window group: its blocks twice the bytes, keyed by every second hash)."""
         redis = redis_options(self.redis_url) if with_redis else None
-        self.config = cache_config(file_dir=self.folder / "files", cpu_blocks=3, file_blocks=8, redis=redis,
-                                   write_mode=write_mode, keep_lower_copy=keep_lower_copy)
+        self.config = cache_config(file_dir=self.folder / "files", cpu_blocks=6 if hybrid else 3,
+                                   file_blocks=16 if hybrid else 8, redis=redis, write_mode=write_mode,
+                                   keep_lower_copy=keep_lower_copy)
+        if hybrid:
+            self.config["groups"] = [{"block_size": 16}, {"block_size": 32, "name": "sliding_window"}]
         self.cache = TieredCache.from_config(self.config)
+        spec = self.live.spec
+        hashes = [k.block_hash for k in universe(CHAINS * LENGTH, tag=self.tag)]
+        per_prompt = [spec.block_keys(hashes[c * LENGTH:(c + 1) * LENGTH]) for c in range(CHAINS)]
+        for g in spec.groups:
+            self.chains.append([keys[g.group_id] for keys in per_prompt])
+            self.oracles.append(Oracle(layout=g.layout, call_timeout=20.0))
+
+    def _pick(self, group: int, chain: int) -> tuple[Oracle, list[BlockKey]]:
+        g = group % len(self.chains)
+        return self.oracles[g], self.chains[g][chain]
 
     @property
     def live(self) -> TieredCache:
         assert self.cache is not None
         return self.cache
 
-    # --- an engine's calls ----------------------------------------------------------------------------
-    @rule(chain=st.integers(0, CHAINS - 1), n=st.integers(1, LENGTH))
-    def store_prefix(self, chain: int, n: int) -> None:
-        stored = self.oracle.store(self.live, self.chains[chain][:n])
-        assert stored is None or 0 <= stored <= n
+    # --- an engine's calls (keys of one group per call, as engines store and load them) ----------------
+    @rule(group=st.integers(0, 1), chain=st.integers(0, CHAINS - 1), n=st.integers(1, LENGTH))
+    def store_prefix(self, group: int, chain: int, n: int) -> None:
+        oracle, keys = self._pick(group, chain)
+        stored = oracle.store(self.live, keys[:n])
+        assert stored is None or 0 <= stored <= len(keys[:n])
 
-    @rule(chain=st.integers(0, CHAINS - 1), start=st.integers(1, LENGTH - 1), n=st.integers(1, LENGTH))
-    def store_continuation(self, chain: int, start: int, n: int) -> None:
+    @rule(group=st.integers(0, 1), chain=st.integers(0, CHAINS - 1), start=st.integers(1, LENGTH - 1),
+          n=st.integers(1, LENGTH))
+    def store_continuation(self, group: int, chain: int, start: int, n: int) -> None:
         """The new blocks of a request whose first ``start`` blocks were cached: chained to the last."""
-        keys = self.chains[chain][start:start + n]
-        predecessors: list[BlockKey | None] = [self.chains[chain][start - 1], *keys[:-1]]
-        self.oracle.offered.update(keys)
-        stored = self.live.store(keys, blocks_for(keys), predecessors=predecessors)
+        oracle, chain_keys = self._pick(group, chain)
+        keys = chain_keys[start:start + n]
+        if not keys:
+            return
+        predecessors: list[BlockKey | None] = [chain_keys[start - 1], *keys[:-1]]
+        oracle.offered.update(keys)
+        stored = self.live.store(keys, blocks_for(keys, oracle.layout), predecessors=predecessors)
         assert 0 <= stored <= len(keys)
         if stored == len(keys):
-            self.oracle.acked.update(keys)
+            oracle.acked.update(keys)
 
-    @rule(chain=st.integers(0, CHAINS - 1), n=st.integers(1, LENGTH))
-    def lookup_then_load(self, chain: int, n: int) -> None:
-        keys = self.chains[chain][:n]
-        promised = self.oracle.lookup(self.live, keys)
-        loaded = self.oracle.load(self.live, keys)
+    @rule(group=st.integers(0, 1), chain=st.integers(0, CHAINS - 1), n=st.integers(1, LENGTH))
+    def lookup_then_load(self, group: int, chain: int, n: int) -> None:
+        oracle, keys = self._pick(group, chain)
+        promised = oracle.lookup(self.live, keys[:n])
+        loaded = oracle.load(self.live, keys[:n])
         if not self.damaged:
             assert loaded == promised, f"lookup promised {promised} leading blocks, load returned {loaded}"
 
-    @rule(calls=st.lists(st.tuples(st.booleans(), st.integers(0, CHAINS - 1), st.integers(1, LENGTH)),
-                         min_size=2, max_size=5))
-    def calls_in_flight_together(self, calls: list[tuple[bool, int, int]]) -> None:
+    @rule(calls=st.lists(st.tuples(st.booleans(), st.integers(0, 1), st.integers(0, CHAINS - 1),
+                                   st.integers(1, LENGTH)), min_size=2, max_size=5))
+    def calls_in_flight_together(self, calls: list[tuple[bool, int, int, int]]) -> None:
         """Stores and loads submitted at once (an engine's scheduler and its prefetchers), then awaited."""
-        futures: list[tuple[list[BlockKey], torch.Tensor | None, Future[int]]] = []
-        for is_store, chain, n in calls:
-            keys = self.chains[chain][:n]
+        futures: list[tuple[Oracle, list[BlockKey], torch.Tensor | None, Future[int]]] = []
+        for is_store, group, chain, n in calls:
+            oracle, chain_keys = self._pick(group, chain)
+            keys = chain_keys[:n]
             if is_store:
-                self.oracle.offered.update(keys)
-                futures.append((keys, None, self.live.submit_store(keys, blocks_for(keys))))
+                oracle.offered.update(keys)
+                stored = self.live.submit_store(keys, blocks_for(keys, oracle.layout))
+                futures.append((oracle, keys, None, stored))
             else:
-                into = blocks_for(keys).zero_()
-                futures.append((keys, into, self.live.submit_load(keys, into)))
-        for keys, loaded, future in futures:
+                into = blocks_for(keys, oracle.layout).zero_()
+                futures.append((oracle, keys, into, self.live.submit_load(keys, into)))
+        for oracle, keys, loaded, future in futures:
             n = future.result(timeout=20)
             assert 0 <= n <= len(keys)
             if loaded is None:
                 if n == len(keys):
-                    self.oracle.acked.update(keys)
+                    oracle.acked.update(keys)
             else:
-                self.oracle.check(keys, loaded, n)
+                oracle.check(keys, loaded, n)
 
     # --- an operator's -------------------------------------------------------------------------------
     @rule()
@@ -150,14 +171,16 @@ class CacheUnderCalls(RuleBasedStateMachine):
     def nothing_served_wrong_and_the_index_agrees(self) -> None:
         if self.cache is None:
             return
-        self.oracle.assert_clean()
+        for oracle in self.oracles:
+            oracle.assert_clean()
         assert consistency_problems(self.live, disk=not self.deleted) == []
 
     def teardown(self) -> None:
         try:
             if self.cache is not None and not self.cache.closed:
-                self.oracle.sweep(self.live)  # every key ever offered, alone: exact or missing
-                self.oracle.assert_clean()
+                for oracle in self.oracles:
+                    oracle.sweep(self.live)  # every key ever offered, alone: exact or missing
+                    oracle.assert_clean()
                 self.cache.clear(range(len(self.live.core.tiers)))  # Redis keeps nothing of this run
         finally:
             if self.cache is not None:
