@@ -477,8 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.add_argument("--trace", nargs="*", default=[], metavar="TRACE",
-                      help="then replay each trace (Mooncake or generic JSONL, Azure CSV) through the "
-                           "eviction policies and print their table (e.g. $KVTIER_TRACES/*.jsonl; "
+                      help="then replay each trace (Mooncake or generic JSONL, Azure or BurstGPT CSV; "
+                           "plain or compressed) through the eviction policies and print their table (e.g. "
+                           "$KVTIER_TRACES/*.jsonl; "
                            "docs/traces.md)")
     demo.add_argument("--plot-dir", help="with --trace: write each trace's plot there")
     demo.set_defaults(func=cmd_demo)
