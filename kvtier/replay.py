@@ -5,7 +5,8 @@
 :class:`~kvtier.cache.TieredCache` plans with, and per request what the cache does (locate, touch,
 promote, store), with plans executed against nothing and counted. Beside every policy it replays
 LRU and two ceilings (Belady's MIN under the replay's rules, Belady with bypass). docs/policies.md
-describes the rules, the trace formats (Mooncake, generic, Azure CSV) and the output columns.
+describes the rules, the trace formats (Mooncake, generic, Azure and BurstGPT CSV) and the output
+columns.
 
 One module: a trace, its replay and the table of results are read together (the table's columns are
 the replay's counters, its baselines the runs the replay adds); the command line is
@@ -143,11 +144,13 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | None = None,
                limit: int | None = None) -> Trace:
-    """Read a Mooncake or generic JSONL trace, or an Azure CSV trace (see docs/policies.md).
+    """Read a Mooncake or generic JSONL trace, or an Azure or BurstGPT CSV trace, plain or gzip/bz2/xz
+    compressed (see docs/policies.md).
 
-    ``format`` is ``auto`` (an Azure CSV header on the first non-empty line, else decided by the first
-    request line), ``mooncake``, ``generic`` or ``azure``. ``limit`` keeps the first N requests.
-    Raises :class:`TraceFormatError` naming the line.
+    ``format`` is ``auto`` (a CSV header on the first non-empty line, else decided by the first
+    request line), ``mooncake``, ``generic``, ``azure`` or ``burstgpt``. ``block_tokens`` defaults to
+    what the format says (a Mooncake-format file: read off its lines). ``limit`` keeps the first N
+    requests. Raises :class:`TraceFormatError` naming the file (and line).
     """
     if format not in TRACE_FORMATS:
         raise ValueError(f"format must be one of {', '.join(map(repr, TRACE_FORMATS))}, got {format!r}")
@@ -304,14 +307,14 @@ def _csv_fields(line: str) -> list[str]:
     return [f.strip() for f in fields]
 
 
-def _azure_columns(line: str) -> list[str]:
+def _csv_columns(line: str) -> list[str]:
     return [c.lower() for c in _csv_fields(line.lstrip("\ufeff").rstrip("\r\n"))]
 
 
 def _length_csv(line: str) -> str | None:
     """The length-only CSV format whose header ``line`` is (a timestamp column and Azure's ContextTokens
     or BurstGPT's Request tokens, any case and order), or None."""
-    columns = _azure_columns(line)
+    columns = _csv_columns(line)
     if _AZURE_TIME in columns:
         for name, tokens in _LENGTH_CSV.items():
             if tokens in columns:
