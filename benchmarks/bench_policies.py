@@ -34,17 +34,16 @@ from rich.table import Table  # noqa: E402
 from kvtier.policy import DEFAULT_EVICTION, EVICTION_POLICIES  # noqa: E402
 from kvtier.replay import (  # noqa: E402
     ReplayResult,
-    Trace,
     gap_closed,
     parse_capacity,
     plan_runs,
     plot_results,
-    read_trace,
     replay,
     results_json,
     results_table,
     run_all,
 )
+from kvtier.traces import Trace, read_trace  # noqa: E402
 
 CAPACITIES = ["1%", "2%", "5%", "10%", "25%"]
 COMPARED = ["arc", "sieve", "leaf_lru", "lifetime", DEFAULT_EVICTION]

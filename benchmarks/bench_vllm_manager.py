@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.replay import read_trace
+from kvtier.traces import read_trace
 
 #: managers alone (the scheduler process when the workers are other processes), then manager + worker in
 #: one process (pages copied out of and back into a KV cache); each kvtier side follows vLLM's like side

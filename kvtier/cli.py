@@ -281,15 +281,14 @@ def _demo_policies(trace_path: str, plot_dir: str | None) -> int:
     both ceilings, at 1-25 % of its distinct blocks), and its plot when ``plot_dir`` is given."""
     from kvtier.demo import DEMO_POLICIES, POLICY_CAPACITIES
     from kvtier.replay import (
-        TraceFormatError,
         parse_capacity,
         plan_runs,
         plot_results,
-        read_trace,
         results_table,
         run_all,
         trace_note,
     )
+    from kvtier.traces import TraceFormatError, read_trace
 
     try:
         trace = read_trace(trace_path)

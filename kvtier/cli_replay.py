@@ -22,18 +22,16 @@ from kvtier.policy.placement import PlacementPolicy
 from kvtier.replay import (
     CEILINGS,
     DEFAULT_BYTES_PER_TOKEN,
-    TRACE_FORMATS,
-    TraceFormatError,
     check_plot_target,
     parse_capacity,
     plan_runs,
     plot_results,
-    read_trace,
     results_json,
     results_table,
     run_all,
     trace_note,
 )
+from kvtier.traces import TRACE_FORMATS, TraceFormatError, read_trace
 
 DEFAULT_CAPACITIES = ["1%", "5%", "10%", "25%"]
 

@@ -15,9 +15,10 @@ from kvtier.layout import BlockLayout
 from kvtier.policy import EvictionPolicy, InsertHint, make_eviction_policy
 from kvtier.policy.admission import AdmitAll
 from kvtier.policy.placement import PlacementPolicy
-from kvtier.replay import Trace, chain_hints, replay
+from kvtier.replay import chain_hints, replay
 from kvtier.residency import READY, Residency, TierIndex
 from kvtier.tiers.cpu import CpuTier
+from kvtier.traces import Trace
 
 LAYOUT = BlockLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
 Residencies = list[list[set[BlockKey]]]  # per request, per tier: the keys it holds

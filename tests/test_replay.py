@@ -19,19 +19,17 @@ from kvtier.blocks import BlockKey
 from kvtier.cli import main
 from kvtier.policy import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvtier.replay import (
-    Trace,
-    TraceFormatError,
     gap_closed,
     next_uses,
     parse_capacity,
     plan_runs,
-    read_trace,
     replay,
     results_json,
     results_table,
     run_all,
     trace_note,
 )
+from kvtier.traces import Trace, TraceFormatError, read_trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "mooncake_tiny.jsonl"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvtier.blocks import BlockKey
 from kvtier.policy import EVICTION_POLICIES, AdaptiveChainPolicy, EvictionPolicy, InsertHint
 from kvtier.policy import make_eviction_policy as make
-from kvtier.replay import Trace
+from kvtier.traces import Trace
 from tests.helpers import make_keys
 from tests.policy.workloads import chat, sessions, zipf
 

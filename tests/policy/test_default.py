@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier.policy import DEFAULT_EVICTION, AdaptiveChainPolicy, make_eviction_policy
-from kvtier.replay import Trace, replay
+from kvtier.replay import replay
+from kvtier.traces import Trace
 from tests.policy.workloads import scan_hot, sessions, standard_workloads
 
 WORKLOADS = standard_workloads()

@@ -11,7 +11,8 @@ from kvtier.config import build_cache_parts, load_config
 from kvtier.errors import KVTierConfigError
 from kvtier.policy.admission import AdmitAll, SecondSighting, TinyLFUAdmission, make_admission_policy
 from kvtier.policy.placement import PlacementPolicy
-from kvtier.replay import Trace, replay
+from kvtier.replay import replay
+from kvtier.traces import Trace
 
 
 @pytest.mark.parametrize(("change", "path"), [

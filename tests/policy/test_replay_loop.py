@@ -17,8 +17,9 @@ from kvtier.blocks import BlockKey
 from kvtier.policy import make_eviction_policy
 from kvtier.policy.admission import AdmitAll
 from kvtier.policy.placement import PlacementPolicy
-from kvtier.replay import READY, Trace, chain_hints, replay
+from kvtier.replay import READY, chain_hints, replay
 from kvtier.residency import Residency, TierIndex
+from kvtier.traces import Trace
 from tests.policy.workloads import chat, sessions
 
 

@@ -1,6 +1,6 @@
 """Synthetic request traces the policy tests replay: loops, scans, Zipf, shifting sets, multi-turn chat.
 
-Each generator returns a :class:`kvtier.replay.Trace` built in memory (no file), deterministic for
+Each generator returns a :class:`kvtier.traces.Trace` built in memory (no file), deterministic for
 a seed. Single-block requests make block hits and prefix hits the same thing (classic cache
 workloads); the chat generator makes real chains (system prompt, growing conversations, think time).
 """
@@ -13,7 +13,7 @@ import itertools
 import random
 
 from kvtier.blocks import BlockKey
-from kvtier.replay import Trace
+from kvtier.traces import Trace
 
 BLOCK_TOKENS = 16
 
