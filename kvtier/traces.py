@@ -142,7 +142,21 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     path = Path(path)
-    handle = _open_text(path)
+    try:
+        with _open_text(path) as handle:
+            lines = enumerate(handle, 1)
+            first = next(((n, line) for n, line in lines if line.strip()), None)
+            if format in _LENGTH_CSV or (format == "auto" and first is not None and _length_csv(first[1])):
+                return _read_length_csv(path, first, lines, block_tokens=block_tokens, limit=limit)
+            rest = itertools.chain([first] if first is not None else [], lines)
+            return _read_jsonl(path, rest, format=format, block_tokens=block_tokens, limit=limit)
+    except (UnicodeDecodeError, EOFError, OSError, lzma.LZMAError, zlib.error) as exc:
+        raise TraceFormatError(f"{path}: cannot read trace: {_unreadable(exc)}") from None
+
+
+def _read_jsonl(path: Path, lines: Iterator[tuple[int, str]], *, format: str, block_tokens: int | None,
+                limit: int | None) -> Trace:
+    """A Mooncake or generic JSONL trace (``format`` ``auto`` decides by the first request line)."""
     make_key = _KeyMaker()
     requests: list[list[BlockKey]] = []
     tokens: list[int] = []
@@ -151,56 +165,45 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
     stamps: list[float] | None = []  # None once a request has no usable timestamp
     sizes: list[tuple[str, int, int]] = []  # Mooncake format: (where, hash ids, input_length) per request
     seconds = False  # Mooncake format: timestamps in seconds (Bailian), not milliseconds
-    try:
-        with handle:
-            lines = enumerate(handle, 1)
-            first = next(((n, line) for n, line in lines if line.strip()), None)
-            if format in _LENGTH_CSV or (format == "auto" and first is not None and _length_csv(first[1])):
-                return _read_length_csv(path, first, lines, block_tokens=block_tokens, limit=limit)
-            for lineno, line in itertools.chain([first] if first is not None else [], lines):
-                if limit is not None and len(requests) >= limit:
-                    break
-                text = line.strip()
-                if not text:
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise TraceFormatError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})"
-                                           ) from None
-                if not isinstance(record, dict):
-                    raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
-                if "kvtier_trace" in record:
-                    if requests or kind == "mooncake":
-                        raise TraceFormatError(f"{where}: a kvtier_trace header must be the first line")
-                    header_block_tokens = record.get("block_tokens", 16)
-                    if not _is_int(header_block_tokens) or header_block_tokens <= 0:
-                        raise TraceFormatError(f"{where}: block_tokens must be a positive integer, "
-                                               f"got {header_block_tokens!r}")
-                    kind = "generic"
-                    continue
-                if kind is None:
-                    kind = "mooncake" if "hash_ids" in record else "generic"
-                ids: Sequence[int | str]
-                if kind == "mooncake":
-                    ids, count = _mooncake_request(record, where)
-                    sizes.append((where, len(ids), count))
-                    seconds = seconds or "chat_id" in record  # Alibaba's Bailian traces: seconds, not ms
-                else:
-                    bt = block_tokens or header_block_tokens or 16
-                    ids, count = _generic_request(record, where, bt)
-                requests.append([make_key(i) for i in ids])
-                tokens.append(count)
-                if stamps is not None:
-                    stamp = record.get("timestamp")
-                    if (isinstance(stamp, int | float) and not isinstance(stamp, bool)
-                            and math.isfinite(stamp)):
-                        stamps.append(stamp)
-                    else:
-                        stamps = None  # not an error: timestamps were never required
-    except (UnicodeDecodeError, EOFError, OSError, lzma.LZMAError, zlib.error) as exc:
-        raise TraceFormatError(f"{path}: cannot read trace: {_unreadable(exc)}") from None
+    for lineno, line in lines:
+        if limit is not None and len(requests) >= limit:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(record, dict):
+            raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        if "kvtier_trace" in record:
+            if requests or kind == "mooncake":
+                raise TraceFormatError(f"{where}: a kvtier_trace header must be the first line")
+            header_block_tokens = record.get("block_tokens", 16)
+            if not _is_int(header_block_tokens) or header_block_tokens <= 0:
+                raise TraceFormatError(f"{where}: block_tokens must be a positive integer, "
+                                       f"got {header_block_tokens!r}")
+            kind = "generic"
+            continue
+        if kind is None:
+            kind = "mooncake" if "hash_ids" in record else "generic"
+        ids: Sequence[int | str]
+        if kind == "mooncake":
+            ids, count = _mooncake_request(record, where)
+            sizes.append((where, len(ids), count))
+            seconds = seconds or "chat_id" in record  # Alibaba's Bailian traces: seconds, not ms
+        else:
+            ids, count = _generic_request(record, where, block_tokens or header_block_tokens or 16)
+        requests.append([make_key(i) for i in ids])
+        tokens.append(count)
+        if stamps is not None:
+            stamp = record.get("timestamp")
+            if isinstance(stamp, int | float) and not isinstance(stamp, bool) and math.isfinite(stamp):
+                stamps.append(stamp)
+            else:
+                stamps = None  # not an error: timestamps were never required
     if kind is None:
         kind = "generic" if format == "auto" else format
     if kind == "mooncake":
