@@ -42,6 +42,7 @@ from kvtier.replay import (  # noqa: E402
     results_json,
     results_table,
     run_all,
+    trace_note,
 )
 from kvtier.traces import Trace, read_trace  # noqa: E402
 
@@ -79,7 +80,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace",
                         default=str(TRACES / "mooncake_conversation.jsonl"),
-                        help="a Mooncake or generic JSONL trace (default in $KVTIER_TRACES, else traces/; "
+                        help="a trace in any format kvtier reads (default in $KVTIER_TRACES, else traces/; "
                              "docs/traces.md)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
                         help="directory for plot and JSON")
@@ -97,6 +98,9 @@ def main() -> int:
     started = time.perf_counter()
     results = run_all(trace, plan_runs(policies, capacities), lambda n: None)
     console.print(results_table(trace, results))
+    note = trace_note(trace)["note"]  # the ratios are 0 by construction (no prefix information): say so
+    if note:
+        console.print(f"note: {note}")
     console.print(f"({time.perf_counter() - started:.0f} s; default policy: {DEFAULT_EVICTION})\n")
 
     def pick(policy: str, capacity: int) -> ReplayResult:
@@ -126,7 +130,7 @@ def main() -> int:
             label, f"{best.prefix_hit_ratio:.4f} ({best.policy})", f"{default.prefix_hit_ratio:.4f}",
             f"{ceiling.prefix_hit_ratio:.4f}", f"{bypass.prefix_hit_ratio:.4f}",
             "yes" if holds else "[red]NO[/red]",
-            ("-" if share is None else f"{share:.0%} ({base.policy})")
+            ("n/a (no gap)" if share is None else f"{share:.0%} ({base.policy})")
             + ("" if closes else f" [red](target {want:.0%})[/red]"),
             f"{1 / lru_cost / 1000:.0f}k", f"{default_cost / lru_cost:.2f}×")
     console.print(checks)
