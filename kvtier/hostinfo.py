@@ -17,14 +17,36 @@ from pathlib import Path
 
 
 def available_memory() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is no such file)."""
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, or what this process's cgroup still allows
+    when that is less (a container sees the host's meminfo, and is killed at its own limit); None
+    where neither can be read."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
+    allowed = _cgroup_headroom()
+    if allowed is not None and (available is None or allowed < available):
+        return allowed
+    return available
+
+
+def _cgroup_headroom(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The memory limit of this process's cgroup less its usage (v2, then v1); None without a limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= 1 << 60:  # "max", or v1's "no limit" (~2^63)
+            return None
+        return max(0, int(limit) - usage)
     return None
 
 
