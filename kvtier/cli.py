@@ -280,6 +280,7 @@ def _demo_policies(trace_path: str, plot_dir: str | None) -> int:
     """The eviction-policy table of one trace (the default beside LRU, ARC, SIEVE, leaf-first LRU and
     both ceilings, at 1-25 % of its distinct blocks), and its plot when ``plot_dir`` is given."""
     from kvtier.demo import DEMO_POLICIES, POLICY_CAPACITIES
+    from kvtier.hostinfo import available_memory
     from kvtier.replay import (
         parse_capacity,
         plan_runs,
@@ -288,10 +289,13 @@ def _demo_policies(trace_path: str, plot_dir: str | None) -> int:
         run_all,
         trace_note,
     )
-    from kvtier.traces import TraceFormatError, read_trace
+    from kvtier.traces import TraceFormatError, TraceTooLargeError, read_trace
 
     try:
-        trace = read_trace(trace_path)
+        trace = read_trace(trace_path, memory_budget=available_memory())  # the demo's capacities: ≤ 25 %
+    except TraceTooLargeError as exc:
+        console.print(f"[red]trace too large[/red] {escape(str(exc))}; or use `kvtier replay` with it")
+        return 2
     except (TraceFormatError, ValueError) as exc:
         console.print(f"[red]bad trace[/red] {exc}")
         return 2

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvtier.errors import KVTierConfigError
 from kvtier.extras import MissingExtra
+from kvtier.hostinfo import available_memory
 from kvtier.policy import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvtier.policy.admission import ADMISSION_POLICIES, make_admission_policy
 from kvtier.policy.placement import PlacementPolicy
@@ -31,7 +32,14 @@ from kvtier.replay import (
     run_all,
     trace_note,
 )
-from kvtier.traces import TRACE_FORMATS, TraceFormatError, read_trace
+from kvtier.traces import (
+    TRACE_FORMATS,
+    TraceFormatError,
+    TraceTooLargeError,
+    read_trace,
+    replay_memory,
+    too_large,
+)
 
 DEFAULT_CAPACITIES = ["1%", "5%", "10%", "25%"]
 
@@ -76,6 +84,10 @@ def add_replay_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--bytes-per-token", type=int, default=DEFAULT_BYTES_PER_TOKEN,
                    help="KV bytes per token for the bytes columns (default: Llama-3-8B bf16, 128 KiB)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="replay even when the estimate of the memory it takes exceeds what is available "
+                        "(by default such a trace is refused before reading it whole, naming the --limit "
+                        "that fits)")
     p.add_argument("--no-min", action="store_true",
                    help="skip the ceilings min and belady (MIN is the slowest run)")
     p.add_argument("--plot", metavar="FILE",
@@ -130,8 +142,13 @@ def run_replay(args: argparse.Namespace) -> int:
             err.print(f"[red]unknown policy[/red] {escape(repr(name))}; "
                       f"known: {', '.join(sorted(EVICTION_POLICIES))}, default", soft_wrap=True)
             return 2
+    budget = None if args.no_memory_check else available_memory()
     try:
-        trace = read_trace(args.trace, format=args.format, block_tokens=args.block_tokens, limit=args.limit)
+        trace = read_trace(args.trace, format=args.format, block_tokens=args.block_tokens, limit=args.limit,
+                           memory_budget=budget)
+    except TraceTooLargeError as exc:
+        err.print(f"[red]trace too large[/red] {escape(str(exc))} (or --no-memory-check)", soft_wrap=True)
+        return 2
     except (TraceFormatError, ValueError) as exc:
         err.print(f"[red]bad trace[/red] {escape(str(exc))}", soft_wrap=True)
         return 2
@@ -151,6 +168,16 @@ def run_replay(args: argparse.Namespace) -> int:
     except (ValueError, KVTierConfigError) as exc:
         err.print(f"[red]bad arguments[/red] {escape(str(exc))}", soft_wrap=True)
         return 2
+
+    if budget is not None:  # the reader assumed a quarter of the blocks resident; the capacities say now
+        resident = max([*capacities, *map(sum, tier_sets)])
+        refs, distinct = trace.references, trace.distinct_blocks
+        need = replay_memory(refs, distinct, min(resident, distinct))
+        if need > budget:
+            refusal = too_large(args.trace, len(trace.requests), refs, distinct, need, budget)
+            err.print(f"[red]trace too large[/red] {escape(str(refusal))} (or smaller capacities, or "
+                      f"--no-memory-check)", soft_wrap=True)
+            return 2
 
     runs = plan_runs(args.policy, capacities, tier_sets, with_min=not args.no_min)
     if args.no_progress:

@@ -39,9 +39,53 @@ AZURE_BLOCK_TOKENS = 16
 #: What ``read_trace(format=...)`` and ``kvtier replay --format`` take.
 TRACE_FORMATS = ("auto", "mooncake", "generic", "azure", "burstgpt")
 
+#: What holding a trace and replaying it costs in memory, measured (CPython 3.11, ``kvtier replay``'s
+#: default runs, docs/policies.md) and rounded up: per block reference (request lists, the next-use
+#: table MIN needs while it is built), per distinct block (its key and chain hint) and per block
+#: resident in the largest hierarchy replayed (index entry and the `adaptive` policy's state, its
+#: ghost history included; LRU needs a third of it).
+REPLAY_BYTES_BASE = 40 << 20
+REPLAY_BYTES_PER_REFERENCE = 110
+REPLAY_BYTES_PER_DISTINCT = 220
+REPLAY_BYTES_PER_RESIDENT = 1400
+#: The share of distinct blocks the reader's check assumes resident (the default capacities' largest).
+_DEFAULT_RESIDENT_SHARE = 0.25
+
+
+def replay_memory(references: int, distinct: int, resident: int) -> int:
+    """Bytes that holding a trace of ``references`` block references (``distinct`` blocks) and
+    replaying it with at most ``resident`` blocks cached takes, about (an upper estimate)."""
+    return (REPLAY_BYTES_BASE + REPLAY_BYTES_PER_REFERENCE * references
+            + REPLAY_BYTES_PER_DISTINCT * distinct + REPLAY_BYTES_PER_RESIDENT * resident)
+
 
 class TraceFormatError(KVTierError, ValueError):
     """A trace line is malformed; the message starts with ``path:line``."""
+
+
+class TraceTooLargeError(KVTierError, ValueError):
+    """Replaying the trace would take more memory than there is; ``limit`` leading requests would fit.
+
+    Raised before the memory is spent (an out-of-memory kill an hour into a replay says nothing)."""
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+def too_large(name: str | Path, requests: int, references: int, distinct: int, need: int, budget: int,
+              *, more: bool = False) -> TraceTooLargeError:
+    """The error for a trace of ``requests`` that needs ``need`` bytes of a ``budget``: it names the
+    sizes and the ``--limit`` that fits (requests scaled down to the budget, with a tenth to spare)."""
+    limit = max(0, int(requests * min(1.0, budget / need) * 0.9))
+    return TraceTooLargeError(
+        f"{name}: {'more than ' if more else ''}{references:,} block references ({distinct:,} distinct) "
+        f"in {'the first ' if more else ''}{requests:,} requests need about {_bytes(need)} to replay and "
+        f"{_bytes(budget)} is available; replay the first requests with --limit {limit}", limit)
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
 @dataclass
@@ -73,6 +117,13 @@ class Trace:
 
         Equal hints share one object (a block id recurs with the same position and predecessor), so
         this costs memory per distinct block, not per reference."""
+        if self._hints is None and not self.prefix_information:
+            # every block id is new: no hint recurs, so a table to share them would only cost memory
+            # (~100 bytes per reference, on traces of tens of millions of references)
+            new = tuple.__new__
+            self._hints = [[new(InsertHint, (j, -1, pred))
+                            for j, pred in zip(range(len(keys)), [None, *keys], strict=False)]
+                           for keys in self.requests]
         if self._hints is None:
             shared: dict[tuple[int, BlockKey | None], InsertHint] = {}
             hints = []
@@ -126,14 +177,17 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 
 def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | None = None,
-               limit: int | None = None) -> Trace:
+               limit: int | None = None, memory_budget: int | None = None) -> Trace:
     """Read a Mooncake or generic JSONL trace, or an Azure or BurstGPT CSV trace, plain or gzip/bz2/xz
     compressed (see docs/policies.md).
 
     ``format`` is ``auto`` (a CSV header on the first non-empty line, else decided by the first
     request line), ``mooncake``, ``generic``, ``azure`` or ``burstgpt``. ``block_tokens`` defaults to
     what the format says (a Mooncake-format file: read off its lines). ``limit`` keeps the first N
-    requests. Raises :class:`TraceFormatError` naming the file (and line).
+    requests. Raises :class:`TraceFormatError` naming the file (and line). With ``memory_budget``
+    (bytes), reading stops with :class:`TraceTooLargeError` as soon as replaying what it has read
+    would take more (:func:`replay_memory`, a quarter of the distinct blocks resident), before the
+    keys of a length-only CSV are built.
     """
     if format not in TRACE_FORMATS:
         raise ValueError(f"format must be one of {', '.join(map(repr, TRACE_FORMATS))}, got {format!r}")
@@ -141,21 +195,25 @@ def read_trace(path: str | Path, *, format: str = "auto", block_tokens: int | No
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    if memory_budget is not None and memory_budget <= 0:
+        raise ValueError(f"memory_budget must be positive, got {memory_budget}")
     path = Path(path)
     try:
         with _open_text(path) as handle:
             lines = enumerate(handle, 1)
             first = next(((n, line) for n, line in lines if line.strip()), None)
             if format in _LENGTH_CSV or (format == "auto" and first is not None and _length_csv(first[1])):
-                return _read_length_csv(path, first, lines, block_tokens=block_tokens, limit=limit)
+                return _read_length_csv(path, first, lines, block_tokens=block_tokens, limit=limit,
+                                        budget=memory_budget)
             rest = itertools.chain([first] if first is not None else [], lines)
-            return _read_jsonl(path, rest, format=format, block_tokens=block_tokens, limit=limit)
+            return _read_jsonl(path, rest, format=format, block_tokens=block_tokens, limit=limit,
+                               budget=memory_budget)
     except (UnicodeDecodeError, EOFError, OSError, lzma.LZMAError, zlib.error) as exc:
         raise TraceFormatError(f"{path}: cannot read trace: {_unreadable(exc)}") from None
 
 
 def _read_jsonl(path: Path, lines: Iterator[tuple[int, str]], *, format: str, block_tokens: int | None,
-                limit: int | None) -> Trace:
+                limit: int | None, budget: int | None) -> Trace:
     """A Mooncake or generic JSONL trace (``format`` ``auto`` decides by the first request line)."""
     make_key = _KeyMaker()
     requests: list[list[BlockKey]] = []
@@ -165,6 +223,7 @@ def _read_jsonl(path: Path, lines: Iterator[tuple[int, str]], *, format: str, bl
     stamps: list[float] | None = []  # None once a request has no usable timestamp
     sizes: list[tuple[str, int, int]] = []  # Mooncake format: (where, hash ids, input_length) per request
     seconds = False  # Mooncake format: timestamps in seconds (Bailian), not milliseconds
+    references = 0  # counted only against a memory budget
     for lineno, line in lines:
         if limit is not None and len(requests) >= limit:
             break
@@ -198,6 +257,12 @@ def _read_jsonl(path: Path, lines: Iterator[tuple[int, str]], *, format: str, bl
             ids, count = _generic_request(record, where, block_tokens or header_block_tokens or 16)
         requests.append([make_key(i) for i in ids])
         tokens.append(count)
+        if budget is not None:
+            references += len(ids)
+            distinct = len(make_key.keys)
+            need = replay_memory(references, distinct, int(distinct * _DEFAULT_RESIDENT_SHARE))
+            if need > budget:
+                raise too_large(path, len(requests), references, distinct, need, budget, more=True)
         if stamps is not None:
             stamp = record.get("timestamp")
             if isinstance(stamp, int | float) and not isinstance(stamp, bool) and math.isfinite(stamp):
@@ -347,7 +412,7 @@ class _Clock:
 
 
 def _read_length_csv(path: Path, first: tuple[int, str] | None, lines: Iterator[tuple[int, str]], *,
-                     block_tokens: int | None, limit: int | None) -> Trace:
+                     block_tokens: int | None, limit: int | None, budget: int | None) -> Trace:
     """A length-only CSV trace (Azure's TIMESTAMP,ContextTokens,... or BurstGPT's Timestamp,Model,Request
     tokens,...): each request ``ceil(tokens / block_tokens)`` blocks whose ids are new (unique across
     the trace: the file knows nothing of shared prefixes, so none is invented), chained as in the other
@@ -397,6 +462,10 @@ def _read_length_csv(path: Path, first: tuple[int, str] | None, lines: Iterator[
         sizes = [-(-c // bt) for c in counts]
         ends = list(itertools.accumulate(sizes))
         total = ends[-1] if ends else 0
+        if budget is not None:  # every block is distinct: check before a key is built
+            need = replay_memory(total, total, int(total * _DEFAULT_RESIDENT_SHARE))
+            if need > budget:
+                raise too_large(path, len(counts), total, total, need, budget)
         new = tuple.__new__
         raw = zip(map(_PACK_ID, range(total)), itertools.repeat(0))
         keys = list(map(new, itertools.repeat(BlockKey), raw))

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvtier.blocks import BlockKey
 from kvtier.cli import main
-from kvtier.policy import DEFAULT_EVICTION, EVICTION_POLICIES
+from kvtier.policy import DEFAULT_EVICTION, EVICTION_POLICIES, InsertHint
 from kvtier.replay import (
     gap_closed,
     next_uses,
@@ -29,7 +29,7 @@ from kvtier.replay import (
     run_all,
     trace_note,
 )
-from kvtier.traces import Trace, TraceFormatError, read_trace
+from kvtier.traces import Trace, TraceFormatError, TraceTooLargeError, read_trace, replay_memory
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "mooncake_tiny.jsonl"
@@ -405,6 +405,8 @@ def test_azure_block_counts_and_unique_ids(tmp_path_factory: pytest.TempPathFact
     flat = [k for r in trace.requests for k in r]
     assert len(set(flat)) == len(flat) == trace.distinct_blocks == trace.references
     assert trace.timestamps == [float(i) for i in range(len(counts))]
+    assert trace.chain_hints() == [[InsertHint(j, -1, keys[j - 1] if j else None) for j in range(len(keys))]
+                                   for keys in trace.requests]
 
 
 def test_timestamps_of_the_json_formats(tmp_path: Path) -> None:
@@ -434,3 +436,57 @@ def test_a_trace_without_prefix_information_says_so(tmp_path: Path) -> None:
     console = Console(width=200, record=True)
     console.print(results_table(trace, results))
     assert console.export_text().count("n/a (no gap)") == 2
+
+
+# --- memory: refused before it is spent ----------------------------------------------------------------
+
+def _lengths_csv(tmp_path: Path, rows: int, tokens: int) -> Path:
+    return _csv(tmp_path, "Timestamp,ContextTokens\n" + "".join(f"{i},{tokens}\n" for i in range(rows)))
+
+
+def test_a_csv_trace_too_large_for_the_memory_is_refused_naming_the_limit_that_fits(tmp_path: Path) -> None:
+    path = _lengths_csv(tmp_path, 1000, 1600)  # 100 blocks a request, 100,000 references, all distinct
+    need = replay_memory(100_000, 100_000, 25_000)
+    refused = r"azure\.csv: 100,000 block references \(100,000 distinct\) in 1,000 requests need about \d+ MB"
+    with pytest.raises(TraceTooLargeError, match=refused + r".* --limit \d+$") as info:
+        read_trace(path, memory_budget=need - 1)
+    assert 0 < info.value.limit < 1000 and str(info.value).endswith(f"--limit {info.value.limit}")
+    assert len(read_trace(path, memory_budget=need - 1, limit=info.value.limit).requests) == info.value.limit
+    assert read_trace(path, memory_budget=need).references == 100_000
+
+
+def test_a_jsonl_trace_stops_reading_where_it_outgrows_the_memory(tmp_path: Path) -> None:
+    full = read_trace(SLICE)
+    need = replay_memory(full.references, full.distinct_blocks, full.distinct_blocks // 4)
+    budget = (need + replay_memory(0, 0, 0)) // 2
+    with pytest.raises(TraceTooLargeError, match=r"mooncake_slice\.jsonl: more than [\d,]+ block references "
+                                                r"\([\d,]+ distinct\) in the first [\d,]+ requests") as info:
+        read_trace(SLICE, memory_budget=budget)
+    assert 0 < info.value.limit < len(full.requests)
+    assert read_trace(SLICE, memory_budget=budget, limit=info.value.limit).requests == \
+        full.requests[:info.value.limit]
+    with pytest.raises(ValueError, match="memory_budget must be positive"):
+        read_trace(SLICE, memory_budget=0)
+
+
+def test_replay_command_refuses_a_trace_or_capacity_too_large_for_the_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import kvtier.cli_replay
+
+    path = _lengths_csv(tmp_path, 1000, 1600)
+    budget = replay_memory(100_000, 100_000, 25_000)  # the reader's check passes; 100 % resident does not
+    monkeypatch.setattr(kvtier.cli_replay, "available_memory", lambda: budget)
+    assert main(["replay", str(path), "--capacity", "100%", "--no-progress", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "trace too large" in err and "--limit" in err and "smaller capacities" in err
+    monkeypatch.setattr(kvtier.cli_replay, "available_memory", lambda: budget // 2)
+    assert main(["replay", str(path), "--no-progress", "--json"]) == 2
+    assert "trace too large" in capsys.readouterr().err
+    assert main(["replay", str(path), "--no-progress", "--json", "--no-memory-check", "--policy", "lru",
+                 "--capacity", "100%", "--no-min"]) == 0
+    assert json.loads(capsys.readouterr().out)["trace"]["block_references"] == 100_000
+    import kvtier.hostinfo  # the demo's trace table checks the same way
+
+    monkeypatch.setattr(kvtier.hostinfo, "available_memory", lambda: budget // 2)
+    assert main(["demo", "--trace", str(path)]) == 2
+    assert "trace too large" in capsys.readouterr().out
