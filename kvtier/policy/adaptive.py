@@ -272,8 +272,17 @@ class AdaptiveChainPolicy(LearnedLifetimePolicy):
                 if not lane_detached and members:
                     resident = len(meta_of)
                     if resident - len(members) <= PROTECTED_SHARE * resident:  # ProbationLane.applies
-                        victim = probation.victim(pinned, inner)  # pending's key is pinned: not needed
-                        heap = probation.heap
+                        # ProbationLane.victim's usual case inlined: the heap's top is a live probation
+                        # leaf outside the batch; popped, as it leaves now (its entry would go stale)
+                        if heap and len(heap) <= 2 * len(members) + 64:
+                            head_t, head_key = heap[0]
+                            if members.get(head_key) == -head_t and head_key not in inner \
+                                    and head_key not in pinned:
+                                victim = head_key
+                                heapq.heappop(heap)
+                        if victim is None:  # stale entries, a pinned top, or a compaction due
+                            victim = probation.victim(pinned, inner)  # pending's key is pinned: not needed
+                            heap = probation.heap
                 if victim is None and not lane_detached:
                     # the leader's order over each class's front (its oldest unpinned leaf, queued or
                     # late), the fronts kept across the batch
