@@ -36,9 +36,8 @@ from kvtier.traces import (
     TRACE_FORMATS,
     TraceFormatError,
     TraceTooLargeError,
+    check_replay_memory,
     read_trace,
-    replay_memory,
-    too_large,
 )
 
 DEFAULT_CAPACITIES = ["1%", "5%", "10%", "25%"]
@@ -171,11 +170,12 @@ def run_replay(args: argparse.Namespace) -> int:
 
     if budget is not None:  # the reader assumed a quarter of the blocks resident; the capacities say now
         resident = max([*capacities, *map(sum, tier_sets)])
-        refs, distinct = trace.references, trace.distinct_blocks
-        need = replay_memory(refs, distinct, min(resident, distinct))
-        if need > budget:
-            refusal = too_large(args.trace, len(trace.requests), refs, distinct, need, budget)
-            err.print(f"[red]trace too large[/red] {escape(str(refusal))} (or smaller capacities, or "
+        distinct = trace.distinct_blocks
+        try:
+            check_replay_memory(args.trace, len(trace.requests), trace.references, distinct,
+                                min(resident, distinct), budget)
+        except TraceTooLargeError as exc:
+            err.print(f"[red]trace too large[/red] {escape(str(exc))} (or smaller capacities, or "
                       f"--no-memory-check)", soft_wrap=True)
             return 2
 

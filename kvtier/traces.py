@@ -73,12 +73,17 @@ class TraceTooLargeError(KVTierError, ValueError):
         self.limit = limit
 
 
-def too_large(name: str | Path, requests: int, references: int, distinct: int, need: int, budget: int,
-              *, more: bool = False) -> TraceTooLargeError:
-    """The error for a trace of ``requests`` that needs ``need`` bytes of a ``budget``: it names the
-    sizes and the ``--limit`` that fits (requests scaled down to the budget, with a tenth to spare)."""
-    limit = max(0, int(requests * min(1.0, budget / need) * 0.9))
-    return TraceTooLargeError(
+def check_replay_memory(name: str | Path, requests: int, references: int, distinct: int, resident: int,
+                        budget: int, *, more: bool = False) -> None:
+    """Raise :class:`TraceTooLargeError` when replaying ``requests`` (``references`` block references,
+    ``distinct`` blocks, at most ``resident`` cached) needs more than ``budget`` bytes
+    (:func:`replay_memory`); the error names the sizes and the ``--limit`` that fits (requests scaled
+    down to the budget, with a tenth to spare). ``more``: the reader stopped early, there is more."""
+    need = replay_memory(references, distinct, resident)
+    if need <= budget:
+        return
+    limit = max(0, int(requests * budget / need * 0.9))
+    raise TraceTooLargeError(
         f"{name}: {'more than ' if more else ''}{references:,} block references ({distinct:,} distinct) "
         f"in {'the first ' if more else ''}{requests:,} requests need about {_bytes(need)} to replay and "
         f"{_bytes(budget)} is available; replay the first requests with --limit {limit}", limit)
@@ -260,9 +265,8 @@ def _read_jsonl(path: Path, lines: Iterator[tuple[int, str]], *, format: str, bl
         if budget is not None:
             references += len(ids)
             distinct = len(make_key.keys)
-            need = replay_memory(references, distinct, int(distinct * _DEFAULT_RESIDENT_SHARE))
-            if need > budget:
-                raise too_large(path, len(requests), references, distinct, need, budget, more=True)
+            check_replay_memory(path, len(requests), references, distinct,
+                                int(distinct * _DEFAULT_RESIDENT_SHARE), budget, more=True)
         if stamps is not None:
             stamp = record.get("timestamp")
             if isinstance(stamp, int | float) and not isinstance(stamp, bool) and math.isfinite(stamp):
@@ -463,9 +467,7 @@ def _read_length_csv(path: Path, first: tuple[int, str] | None, lines: Iterator[
         ends = list(itertools.accumulate(sizes))
         total = ends[-1] if ends else 0
         if budget is not None:  # every block is distinct: check before a key is built
-            need = replay_memory(total, total, int(total * _DEFAULT_RESIDENT_SHARE))
-            if need > budget:
-                raise too_large(path, len(counts), total, total, need, budget)
+            check_replay_memory(path, len(counts), total, total, int(total * _DEFAULT_RESIDENT_SHARE), budget)
         new = tuple.__new__
         raw = zip(map(_PACK_ID, range(total)), itertools.repeat(0))
         keys = list(map(new, itertools.repeat(BlockKey), raw))
