@@ -518,53 +518,124 @@ class AsyncTieredCache:
             return None
         return self._execute_inline(plan, keys, None, None, fill)
 
+    def store_now(self, keys: Sequence[BlockKey], blocks: Blocks,
+                  hints: Sequence[InsertHint] | None = None,
+                  predecessors: Sequence[BlockKey | None] | None = None) -> int | None:
+        """:meth:`store` on the caller's thread, if it can run there; else None, nothing done (then
+        ``await store``).
+
+        It runs there when every tier is a CPU tier and no call runs on the loop: planning, copies
+        and index updates under the index lock, as :meth:`execute_now` runs a plan. Handing such a store
+        to the loop thread costs more than its own work (docs/architecture.md, "Calls on the caller's
+        thread"). Same checks (raised here), counts and result as :meth:`store`.
+        """
+        if not keys or not self._inline or not self._started:
+            return None
+        buffers = self._byte_blocks(keys, blocks, "blocks")
+        batch = self._row_batch(keys, buffers.rows) if isinstance(buffers, RowBatch) else None
+        hints = _chain_hints(keys, hints, predecessors)
+        with self._index_lock:
+            self._check_open()
+            if not self._runs_inline():
+                return None
+            plan = self.residency.plan_store(keys, hints)
+            drops = [key for dropped in plan.drops for key in dropped]
+            self._changed(drops)
+            stored = self._run_inline(plan, keys, None if batch is not None else buffers, batch, None)
+            self._report_removed(drops)
+            count = len(stored.union(plan.skipped)) if plan.skipped else len(stored)
+            self._counts["stored_blocks"] += count
+        return count
+
+    def load_now(self, keys: Sequence[BlockKey], out: Blocks) -> int | None:
+        """:meth:`load` on the caller's thread, if every key sits READY in the top tier and that is a CPU
+        tier (the load is then memory copies, with nothing to promote); else None, nothing done (then
+        ``await load``).
+
+        The keys are pinned while their blocks are copied, as :meth:`read_leased` copies leased blocks;
+        same checks (raised here), counts, recency and result as :meth:`load`.
+        """
+        if not keys or not self._started or type(self.tiers[0]) is not CpuTier:
+            return None
+        buffers = self._byte_blocks(keys, out, "out")
+        batch = self._row_batch(keys, buffers.rows) if isinstance(buffers, RowBatch) else None
+        index = self.residency.tiers[0]
+        with self._index_lock:
+            self._check_open()
+            if list(map(index.entries.get, keys)).count(READY) != len(keys):
+                return None
+            index.pin_many(keys)
+            self._leased_reads += 1
+        try:
+            every = {0: list(range(len(keys)))}
+            self._copy_leased(keys, batch, None if batch is not None else buffers, every, touch=True)
+        finally:
+            with self._index_lock:
+                index.unpin_many(keys)
+                self._leased_reads -= 1
+        return len(keys)
+
     def _execute_inline(self, plan: Plan, keys: Sequence[BlockKey],
                         rows: Sequence[torch.Tensor | None] | torch.Tensor | None, batch: torch.Tensor | None,
                         fill: BlockFill | None) -> int | None:
         """:meth:`execute_now` (``rows``, or their checked ``batch``) or :meth:`execute_with` (``fill``)."""
         with self._index_lock:
             self._check_open()
-            if not self._inline or not self._started or self._operations or any(
-                    tier.capacity_version != seen
-                    for tier, seen in zip(self.tiers, self._capacity_seen, strict=True)):
+            if not self._runs_inline():
                 return None
-            for t in reversed(range(len(self.tiers))):
-                if plan.demotions[t]:
-                    self._demote_now(t, plan.demotions[t])
-                if plan.drops[t]:
-                    self._activity[t].evictions += len(plan.drops[t])
-                    self._io_now(t, "delete", plan.drops[t])
-            stored = 0
-            for t, idx in enumerate(plan.writes):
-                if not idx:
-                    continue
-                written = [keys[i] for i in idx]
-                if fill is not None:  # the tier hands its slots to the caller's fill: no buffer between
-                    oks = self._io_now(t, "put", written, _fill_of(fill, idx, len(keys)),
-                                       call=cast("CpuTier", self.tiers[t]).put_with)
-                elif batch is not None:  # every row is there, checked: the tier copies the batch in one call
-                    oks = self._io_now(t, "put", written, _take_rows(batch, idx),
-                                       call=cast("CpuTier", self.tiers[t]).put_rows)
-                else:
-                    assert rows is not None
-                    present = [i for i in idx if rows[i] is not None]
-                    done = dict(zip(present, self._io_now(t, "put", [keys[i] for i in present],
-                                                          [rows[i] for i in present]), strict=True))
-                    oks = [done.get(i, False) for i in idx]
-                index, activity = self.residency.tiers[t], self._activity[t]
-                if all(oks):
-                    index.settle_many(written, True)  # Residency.finish_write of each
-                    good = len(written)
-                else:
-                    index.settle_many([k for k, ok in zip(written, oks, strict=True) if ok], True)
-                    index.settle_many([k for k, ok in zip(written, oks, strict=True) if not ok], False)
-                    good = sum(oks)
-                stored += good
-                activity.stores += good
-                activity.failed_stores += len(written) - good
-                self._changed(written)
+            stored = len(self._run_inline(plan, keys, rows, batch, fill))
             self._report_removed(k for moves in plan.demotions for k, _ in moves)
             self._counts["stored_blocks"] += stored
+        return stored
+
+    def _runs_inline(self) -> bool:
+        """Whether a plan may run on the caller's thread now (index lock held): every tier is a CPU tier,
+        nothing runs on the loop, and no tier changed its capacity since the index last followed it."""
+        return self._inline and self._started and not self._operations and all(
+            tier.capacity_version == seen for tier, seen in zip(self.tiers, self._capacity_seen, strict=True))
+
+    def _run_inline(self, plan: Plan, keys: Sequence[BlockKey],
+                    rows: Sequence[torch.Tensor | None] | torch.Tensor | None, batch: torch.Tensor | None,
+                    fill: BlockFill | None) -> set[int]:
+        """Run ``plan`` through the CPU tiers' synchronous calls (index lock held, :meth:`_runs_inline`
+        true): demotions and drops bottom-up, then the writes. Returns the indexes of ``keys`` now
+        stored in some tier (a key written to two tiers counts once)."""
+        for t in reversed(range(len(self.tiers))):
+            if plan.demotions[t]:
+                self._demote_now(t, plan.demotions[t])
+            if plan.drops[t]:
+                self._activity[t].evictions += len(plan.drops[t])
+                self._io_now(t, "delete", plan.drops[t])
+        stored: set[int] = set()
+        for t, idx in enumerate(plan.writes):
+            if not idx:
+                continue
+            written = [keys[i] for i in idx]
+            if fill is not None:  # the tier hands its slots to the caller's fill: no buffer between
+                oks = self._io_now(t, "put", written, _fill_of(fill, idx, len(keys)),
+                                   call=cast("CpuTier", self.tiers[t]).put_with)
+            elif batch is not None:  # every row is there, checked: the tier copies the batch in one call
+                oks = self._io_now(t, "put", written, _take_rows(batch, idx),
+                                   call=cast("CpuTier", self.tiers[t]).put_rows)
+            else:
+                assert rows is not None
+                present = [i for i in idx if rows[i] is not None]
+                done = dict(zip(present, self._io_now(t, "put", [keys[i] for i in present],
+                                                      [rows[i] for i in present]), strict=True))
+                oks = [done.get(i, False) for i in idx]
+            index, activity = self.residency.tiers[t], self._activity[t]
+            if all(oks):
+                index.settle_many(written, True)  # Residency.finish_write of each
+                stored.update(idx)
+                good = len(written)
+            else:
+                index.settle_many([k for k, ok in zip(written, oks, strict=True) if ok], True)
+                index.settle_many([k for k, ok in zip(written, oks, strict=True) if not ok], False)
+                stored.update(i for i, ok in zip(idx, oks, strict=True) if ok)
+                good = sum(oks)
+            activity.stores += good
+            activity.failed_stores += len(written) - good
+            self._changed(written)
         return stored
 
     def _row_batch(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> torch.Tensor | None:
@@ -1439,23 +1510,32 @@ class TieredCache:
         return self._call(self.core.lookup(keys))
 
     def load(self, keys: Sequence[BlockKey], out: Blocks) -> int:
-        """See :meth:`AsyncTieredCache.load`."""
-        return self._call(self.core.load(keys, out))
+        """See :meth:`AsyncTieredCache.load`. Blocks that all sit in a top CPU tier are copied on the
+        caller's thread (:meth:`AsyncTieredCache.load_now`), with no hop to the loop."""
+        loaded = self._now(self.core.load_now, keys, out)
+        return loaded if loaded is not None else self._call(self.core.load(keys, out))
 
     def store(self, keys: Sequence[BlockKey], blocks: Blocks, hints: Sequence[InsertHint] | None = None,
               predecessors: Sequence[BlockKey | None] | None = None) -> int:
-        """See :meth:`AsyncTieredCache.store`."""
+        """See :meth:`AsyncTieredCache.store`. Into CPU tiers only, it runs on the caller's thread
+        (:meth:`AsyncTieredCache.store_now`), with no hop to the loop."""
+        stored = self._now(self.core.store_now, keys, blocks, hints, predecessors)
+        if stored is not None:
+            return stored
         return self._call(self.core.store(keys, blocks, hints, predecessors))
 
     def submit_load(self, keys: Sequence[BlockKey], out: Blocks) -> concurrent.futures.Future[int]:
-        """Start a load; ``out`` must stay untouched until the future is done."""
-        return self._submit(self.core.load(keys, out))
+        """Start a load; ``out`` must stay untouched until the future is done. A load :meth:`load` would
+        copy on the caller's thread is done when this returns (its future too)."""
+        return self._submit_now(self.core.load_now, keys, out) or self._submit(self.core.load(keys, out))
 
     def submit_store(self, keys: Sequence[BlockKey], blocks: Blocks,
                      hints: Sequence[InsertHint] | None = None,
                      predecessors: Sequence[BlockKey | None] | None = None) -> concurrent.futures.Future[int]:
-        """Start a store; ``blocks`` must stay unchanged until the future is done."""
-        return self._submit(self.core.store(keys, blocks, hints, predecessors))
+        """Start a store; ``blocks`` must stay unchanged until the future is done. A store :meth:`store`
+        would run on the caller's thread is done when this returns (its future too)."""
+        return (self._submit_now(self.core.store_now, keys, blocks, hints, predecessors)
+                or self._submit(self.core.store(keys, blocks, hints, predecessors)))
 
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
         """See :meth:`AsyncTieredCache.lease` (thread-safe; runs on the caller's thread)."""
@@ -1535,6 +1615,33 @@ class TieredCache:
             future = asyncio.run_coroutine_threadsafe(coro, self._loop)
             self._pending.add(future)
         future.add_done_callback(self._settled)
+        return future
+
+    def _now(self, call: Callable[..., T | None], *args: Any) -> T | None:
+        """``call(*args)``, an ``AsyncTieredCache.*_now`` method, on the caller's thread: None (nothing
+        done) when it cannot run there, or while a call handed to the loop is unsettled (a call made
+        after it must not overtake it)."""
+        with self._state:
+            if self._closed:
+                raise CacheClosed("TieredCache is closed")
+            if self._pending:
+                return None
+        return call(*args)
+
+    def _submit_now(self, call: Callable[..., T | None], *args: Any) -> concurrent.futures.Future[T] | None:
+        """:meth:`_now` as a future that is already done (with the call's exception, as a submitted call's
+        future would hold it); None when the call cannot run here."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        try:
+            result = self._now(call, *args)
+        except CacheClosed:
+            raise
+        except Exception as exc:
+            future.set_exception(exc)
+            return future
+        if result is None:
+            return None
+        future.set_result(result)
         return future
 
     def _settled(self, future: concurrent.futures.Future[Any]) -> None:
