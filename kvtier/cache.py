@@ -532,7 +532,7 @@ class AsyncTieredCache:
         if not keys or not self._inline or not self._started:
             return None
         buffers = self._byte_blocks(keys, blocks, "blocks")
-        batch = self._row_batch(keys, buffers.rows) if isinstance(buffers, RowBatch) else None
+        batch = _cpu_rows(buffers)
         hints = _chain_hints(keys, hints, predecessors)
         with self._index_lock:
             self._check_open()
@@ -558,7 +558,7 @@ class AsyncTieredCache:
         if not keys or not self._started or type(self.tiers[0]) is not CpuTier:
             return None
         buffers = self._byte_blocks(keys, out, "out")
-        batch = self._row_batch(keys, buffers.rows) if isinstance(buffers, RowBatch) else None
+        batch = _cpu_rows(buffers)
         index = self.residency.tiers[0]
         with self._index_lock:
             self._check_open()
@@ -1336,6 +1336,14 @@ def _fill_of(fill: BlockFill, idx: list[int], count: int) -> SlotFill:
             fill(slab, slots, placed if every else [idx[p] for p in placed])
 
     return tier_fill
+
+
+def _cpu_rows(buffers: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The caller's one ``[n, nbytes]`` tensor behind ``buffers`` (as :meth:`AsyncTieredCache._byte_blocks`
+    returns them: checked, contiguous, one group) when it is on the CPU; None otherwise."""
+    if isinstance(buffers, RowBatch) and buffers.rows.device.type == "cpu":
+        return buffers.rows
+    return None
 
 
 def _take_rows(rows: torch.Tensor, idx: list[int]) -> torch.Tensor:

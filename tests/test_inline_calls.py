@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import random
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,13 +139,10 @@ def test_a_call_never_overtakes_one_queued_on_the_loop() -> None:
         assert cache.stats().tiers[1].hits == 2
 
 
-def test_a_store_submitted_behind_a_queued_call_is_seen_by_the_next_load(tmp_path: Path) -> None:
+def test_a_store_submitted_behind_a_queued_call_is_seen_by_the_next_load() -> None:
     layout = small_layout()
     keys, blocks = make_keys(3), random_blocks(3, layout, seed=8)
-    block = layout.nbytes
-    config = {"model": dict(SMALL_MODEL), "hash_block_size": 16,
-              "tiers": [{"type": "cpu", "capacity": 4 * block}]}
-    with TieredCache.from_config(config) as cache:
+    with TieredCache.from_config(_cpu_tiers((4,))) as cache:
         first = cache.submit_load(keys, torch.zeros_like(blocks))  # a miss: handed to the loop
         stored = cache.submit_store(keys, blocks)
         out = torch.zeros_like(blocks)
@@ -198,7 +195,6 @@ def test_calls_from_many_threads_stay_exact() -> None:
     keys, blocks = make_keys(24), random_blocks(24, layout, seed=11)
     with TieredCache.from_config(_cpu_tiers((10, 30))) as cache:
         def work(seed: int) -> None:
-            import random
             rng = random.Random(seed)
             for _ in range(150):
                 start, count = rng.randrange(24), rng.randrange(1, 5)
