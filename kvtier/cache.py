@@ -46,7 +46,7 @@ from kvtier.policy.admission import AdmitAll
 from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import RowBatch, aligned_empty, as_rows
-from kvtier.tiers.cpu import CpuTier, SlotFill, SlotRead
+from kvtier.tiers.cpu import CpuTier, SlotFill, SlotRead, SlotReservation, buffers_fill, rows_fill
 
 if TYPE_CHECKING:
     from kvtier.prometheus import MetricsServer
@@ -144,8 +144,9 @@ class AsyncTieredCache:
         #: tasks inside a public coroutine now (with their nesting count), and those close() cancelled
         self._operations: dict[asyncio.Task[Any] | None, int] = {}
         self._cut_short: set[asyncio.Task[Any] | None] = set()
-        #: threads inside read_leased now (it copies out of memory tiers that close() releases)
-        self._leased_reads = 0
+        #: threads copying into or out of memory tiers outside the index lock now (load_now, store_now,
+        #: execute_now, read_leased): close() waits for them before it releases the tiers' memory
+        self._unlocked_copies = 0
         #: (address, port) of the Prometheus endpoint the blocking face should serve, if any
         self.metrics_endpoint: tuple[str, int] | None = None
 
@@ -298,7 +299,7 @@ class AsyncTieredCache:
         deadline = time.monotonic() + INFLIGHT_GRACE_SECONDS
 
         def busy() -> bool:
-            return any(task is not me for task in self._operations) or self._leased_reads > 0
+            return any(task is not me for task in self._operations) or self._unlocked_copies > 0
 
         while busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
@@ -483,10 +484,11 @@ class AsyncTieredCache:
         """Run a plan from :meth:`plan_store` on the caller's thread if it can be; else None (then
         :meth:`execute` it).
 
-        For an engine's worker storing into CPU tiers (vLLM's, next to its scheduler): the copies and
-        index updates run under the index lock, without a hop to the loop thread, whose wake-ups cost
-        more CPU than the copies. It runs only when every tier is a CPU tier (their calls never wait)
-        and no call is in flight on the loop; the caller keeps plans in order (none of its plans may be
+        For an engine's worker storing into CPU tiers (vLLM's, next to its scheduler): the index updates
+        run under the index lock and the copies with it released (other threads' lookups and loads go on
+        meanwhile), without a hop to the loop thread, whose wake-ups cost more CPU than the copies. It
+        runs only when every tier is a CPU tier (their calls never wait) and no call is in flight on the
+        loop; the caller keeps plans in order (none of its plans may be
         queued on the loop meanwhile). ``rows[i]``: key ``i``'s block as ``[nbytes]`` uint8 on the CPU
         (no copy), or None when its bytes never came (its planned writes fail); or ``rows`` is one
         contiguous ``[len(keys), nbytes]`` uint8 CPU tensor holding every key's block (keys of one
@@ -524,8 +526,9 @@ class AsyncTieredCache:
         """:meth:`store` on the caller's thread, if it can run there; else None, nothing done (then
         ``await store``).
 
-        It runs there when every tier is a CPU tier and no call runs on the loop: planning, copies
-        and index updates under the index lock, as :meth:`execute_now` runs a plan. Handing such a store
+        It runs there when every tier is a CPU tier and no call runs on the loop: planning and index
+        updates under the index lock, the copies with it released, as :meth:`execute_now` runs a plan.
+        Handing such a store
         to the loop thread costs more than its own work (docs/architecture.md, "Calls on the caller's
         thread"). Same checks (raised here), counts and result as :meth:`store`.
         """
@@ -541,11 +544,8 @@ class AsyncTieredCache:
             plan = self.residency.plan_store(keys, hints)
             drops = [key for dropped in plan.drops for key in dropped]
             self._changed(drops)
-            stored = self._run_inline(plan, keys, None if batch is not None else buffers, batch, None)
-            self._report_removed(drops)
-            count = len(stored.union(plan.skipped)) if plan.skipped else len(stored)
-            self._counts["stored_blocks"] += count
-        return count
+            writes = self._begin_inline(plan, keys, None if batch is not None else buffers, batch, None)
+        return self._end_inline(writes, self._fill_inline(writes), drops, plan.skipped)
 
     def load_now(self, keys: Sequence[BlockKey], out: Blocks) -> int | None:
         """:meth:`load` on the caller's thread, if every key sits READY in the top tier and that is a CPU
@@ -565,14 +565,14 @@ class AsyncTieredCache:
             if list(map(index.entries.get, keys)).count(READY) != len(keys):
                 return None
             index.pin_many(keys)
-            self._leased_reads += 1
+            self._unlocked_copies += 1
         try:
             every = {0: list(range(len(keys)))}
             self._copy_leased(keys, batch, None if batch is not None else buffers, every, touch=True)
         finally:
             with self._index_lock:
                 index.unpin_many(keys)
-                self._leased_reads -= 1
+                self._unlocked_copies -= 1
         return len(keys)
 
     def _execute_inline(self, plan: Plan, keys: Sequence[BlockKey],
@@ -583,10 +583,9 @@ class AsyncTieredCache:
             self._check_open()
             if not self._runs_inline():
                 return None
-            stored = len(self._run_inline(plan, keys, rows, batch, fill))
-            self._report_removed(k for moves in plan.demotions for k, _ in moves)
-            self._counts["stored_blocks"] += stored
-        return stored
+            writes = self._begin_inline(plan, keys, rows, batch, fill)
+        return self._end_inline(writes, self._fill_inline(writes),
+                                [k for moves in plan.demotions for k, _ in moves], ())
 
     def _runs_inline(self) -> bool:
         """Whether a plan may run on the caller's thread now (index lock held): every tier is a CPU tier,
@@ -594,49 +593,116 @@ class AsyncTieredCache:
         return self._inline and self._started and not self._operations and all(
             tier.capacity_version == seen for tier, seen in zip(self.tiers, self._capacity_seen, strict=True))
 
-    def _run_inline(self, plan: Plan, keys: Sequence[BlockKey],
-                    rows: Sequence[torch.Tensor | None] | torch.Tensor | None, batch: torch.Tensor | None,
-                    fill: BlockFill | None) -> set[int]:
-        """Run ``plan`` through the CPU tiers' synchronous calls (index lock held, :meth:`_runs_inline`
-        true): demotions and drops bottom-up, then the writes. Returns the indexes of ``keys`` now
-        stored in some tier (a key written to two tiers counts once)."""
+    def _begin_inline(self, plan: Plan, keys: Sequence[BlockKey],
+                      rows: Sequence[torch.Tensor | None] | torch.Tensor | None, batch: torch.Tensor | None,
+                      fill: BlockFill | None) -> list[_InlineWrite]:
+        """Start running ``plan`` through the CPU tiers' synchronous calls (index lock held,
+        :meth:`_runs_inline` true): demotions and drops bottom-up, then a slot for each write. The
+        writes' copies (:meth:`_fill_inline`) then run with the lock released, and
+        :meth:`_end_inline` settles them: a copy of megabytes never holds up another thread's lookup
+        or load (docs/architecture.md, "Calls on the caller's thread")."""
         for t in reversed(range(len(self.tiers))):
             if plan.demotions[t]:
                 self._demote_now(t, plan.demotions[t])
             if plan.drops[t]:
                 self._activity[t].evictions += len(plan.drops[t])
                 self._io_now(t, "delete", plan.drops[t])
-        stored: set[int] = set()
-        for t, idx in enumerate(plan.writes):
-            if not idx:
+        writes: list[_InlineWrite] = []
+        for t, all_idx in enumerate(plan.writes):
+            if not all_idx:
                 continue
-            written = [keys[i] for i in idx]
-            if fill is not None:  # the tier hands its slots to the caller's fill: no buffer between
-                oks = self._io_now(t, "put", written, _fill_of(fill, idx, len(keys)),
-                                   call=cast("CpuTier", self.tiers[t]).put_with)
-            elif batch is not None:  # every row is there, checked: the tier copies the batch in one call
-                oks = self._io_now(t, "put", written, _take_rows(batch, idx),
-                                   call=cast("CpuTier", self.tiers[t]).put_rows)
+            # a tier reserves one group's slots at a time; only separate buffers can span groups
+            parts = [all_idx] if fill is not None or batch is not None else _by_group(keys, all_idx)
+            writes += [self._reserve_inline(t, idx, keys, rows, batch, fill) for idx in parts]
+        self._unlocked_copies += 1
+        return writes
+
+    def _reserve_inline(self, t: int, idx: list[int], keys: Sequence[BlockKey],
+                        rows: Sequence[torch.Tensor | None] | torch.Tensor | None, batch: torch.Tensor | None,
+                        fill: BlockFill | None) -> _InlineWrite:
+        """:meth:`_begin_inline`'s slots in tier ``t`` for ``keys[i] for i in idx`` (one group's)."""
+        tier = cast("CpuTier", self.tiers[t])
+        write = _InlineWrite(t, idx, [keys[i] for i in idx])
+        if fill is not None:  # the tier hands its slots to the caller's fill: no buffer between
+            write.fill = _fill_of(fill, idx, len(keys))
+        elif batch is not None:  # every row is there, checked: the tier copies the batch in one call
+            write.fill = rows_fill(_take_rows(batch, idx))
+        else:
+            assert rows is not None
+            present = [j for j, i in enumerate(idx) if rows[i] is not None]
+            write.fill = buffers_fill([cast("torch.Tensor", rows[idx[j]]) for j in present])
+            if len(present) != len(idx):
+                write.present = present
+        reserved = [write.keys[j] for j in write.present] if write.present is not None else write.keys
+        if reserved:
+            try:
+                write.reservation = tier.reserve(reserved)
+            except Exception as exc:  # as _io_now: logged, counted, all-False
+                self._tier_failed(t, "put", len(reserved), exc)
+        return write
+
+    def _fill_inline(self, writes: list[_InlineWrite]) -> LayoutMismatch | None:
+        """The copies of :meth:`_begin_inline`'s writes, index lock released. A failed copy fails its
+        blocks (logged, counted); a :class:`LayoutMismatch` from a caller's fill is returned, to be
+        raised once the writes are settled."""
+        mismatch = None
+        for write in writes:
+            reservation = write.reservation
+            if reservation is None or write.fill is None:
+                continue
+            start = time.perf_counter()
+            try:
+                cast("CpuTier", self.tiers[write.t]).fill(reservation, write.fill)
+            except LayoutMismatch as exc:
+                mismatch = exc
+                write.failed = True
+            except Exception as exc:
+                write.failed = True
+                self._tier_failed(write.t, "put", len(reservation.keys), exc)
             else:
-                assert rows is not None
-                present = [i for i in idx if rows[i] is not None]
-                done = dict(zip(present, self._io_now(t, "put", [keys[i] for i in present],
-                                                      [rows[i] for i in present]), strict=True))
-                oks = [done.get(i, False) for i in idx]
-            index, activity = self.residency.tiers[t], self._activity[t]
-            if all(oks):
-                index.settle_many(written, True)  # Residency.finish_write of each
-                stored.update(idx)
-                good = len(written)
-            else:
-                index.settle_many([k for k, ok in zip(written, oks, strict=True) if ok], True)
-                index.settle_many([k for k, ok in zip(written, oks, strict=True) if not ok], False)
-                stored.update(i for i, ok in zip(idx, oks, strict=True) if ok)
-                good = sum(oks)
-            activity.stores += good
-            activity.failed_stores += len(written) - good
-            self._changed(written)
-        return stored
+                write.seconds = time.perf_counter() - start
+        return mismatch
+
+    def _end_inline(self, writes: list[_InlineWrite], mismatch: LayoutMismatch | None,
+                    removed: Iterable[BlockKey], skipped: Sequence[int]) -> int:
+        """Settle :meth:`_begin_inline`'s writes (taking the index lock; it runs even if the cache closed
+        meanwhile: close() waits for it) and count them. Returns how many of the plan's keys are now
+        stored in some tier, with ``skipped`` (already there; a key written to two tiers counts once);
+        raises ``mismatch`` after settling."""
+        stored: set[int] = set()
+        with self._index_lock:
+            try:
+                for write in writes:
+                    oks = write.outcomes()
+                    index, activity = self.residency.tiers[write.t], self._activity[write.t]
+                    written, idx = write.keys, write.idx
+                    if all(oks):
+                        index.settle_many(written, True)  # Residency.finish_write of each
+                        stored.update(idx)
+                        good = len(written)
+                    else:
+                        index.settle_many([k for k, ok in zip(written, oks, strict=True) if ok], True)
+                        index.settle_many([k for k, ok in zip(written, oks, strict=True) if not ok], False)
+                        stored.update(i for i, ok in zip(idx, oks, strict=True) if ok)
+                        good = sum(oks)
+                    if write.seconds is not None:
+                        activity.observe("put", write.seconds)
+                    activity.stores += good
+                    activity.failed_stores += len(written) - good
+                    self._changed(written)
+                self._report_removed(removed)
+                count = len(stored.union(skipped)) if skipped else len(stored)
+                self._counts["stored_blocks"] += count
+            finally:
+                self._unlocked_copies -= 1
+        if mismatch is not None:
+            raise mismatch
+        return count
+
+    def _tier_failed(self, t: int, op: str, count: int, exc: BaseException) -> None:
+        tier = self.tiers[t]
+        tier.counters.error(type(exc).__name__)
+        log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, count, exc)
 
     def _row_batch(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> torch.Tensor | None:
         """``rows`` if it is one contiguous ``[len(keys), nbytes]`` uint8 CPU tensor of one group's
@@ -868,12 +934,12 @@ class AsyncTieredCache:
                     by_tier[t] = [i]
                 else:
                     idx.append(i)
-            self._leased_reads += 1
+            self._unlocked_copies += 1
         try:
             self._copy_leased(keys, batch, buffers, by_tier, touch)
         finally:
             with self._index_lock:
-                self._leased_reads -= 1
+                self._unlocked_copies -= 1
 
     def read_leased_with(self, keys: Sequence[BlockKey], where: Sequence[int], read: SlotRead, *,
                          touch: bool = True) -> bool:
@@ -898,7 +964,7 @@ class AsyncTieredCache:
             if not pins.keys() >= set(keys) or list(map(entries.get, keys)).count(READY) != len(keys):
                 bad = next(key for key in keys if key not in pins or entries.get(key) != READY)
                 raise ValueError(f"{bad} is not leased in memory tier {tier.name}")
-            self._leased_reads += 1
+            self._unlocked_copies += 1
         try:
             start = time.perf_counter()
             tier.get_with(keys, read)
@@ -908,7 +974,7 @@ class AsyncTieredCache:
             self._count_load(len(keys))
         finally:
             with self._index_lock:
-                self._leased_reads -= 1
+                self._unlocked_copies -= 1
         return True
 
     def _copy_leased(self, keys: Sequence[BlockKey], batch: torch.Tensor | None,
@@ -1322,6 +1388,45 @@ class AsyncTieredCache:
 
 #: ``fill(slab, slots, idx)`` of :meth:`AsyncTieredCache.execute_with`
 BlockFill = Callable[[torch.Tensor, list[int], "list[int] | None"], None]
+
+
+class _InlineWrite:
+    """One tier's writes of a plan run on the caller's thread: reserved under the index lock, filled
+    outside it, settled under it again (AsyncTieredCache._begin_inline)."""
+
+    __slots__ = ("t", "idx", "keys", "fill", "present", "reservation", "failed", "seconds")
+
+    def __init__(self, t: int, idx: list[int], keys: list[BlockKey]) -> None:
+        self.t, self.idx, self.keys = t, idx, keys
+        self.fill: SlotFill | None = None
+        #: positions in ``keys`` whose bytes came (None: all); the others fail
+        self.present: list[int] | None = None
+        self.reservation: SlotReservation | None = None
+        self.failed = False
+        self.seconds: float | None = None
+
+    def outcomes(self) -> list[bool]:
+        """Per key of ``keys``: whether its block is now in the tier."""
+        reservation = self.reservation
+        if reservation is None or self.failed:
+            return [False] * len(self.keys)
+        if self.present is None:
+            return reservation.ok
+        oks = [False] * len(self.keys)
+        for j, ok in zip(self.present, reservation.ok, strict=True):
+            oks[j] = ok
+        return oks
+
+
+def _by_group(keys: Sequence[BlockKey], idx: list[int]) -> list[list[int]]:
+    """``idx`` split by the group of ``keys[i]``, each part in order (one part: the usual batch)."""
+    first = keys[idx[0]].group_id
+    if all(keys[i].group_id == first for i in idx):
+        return [idx]
+    parts: dict[int, list[int]] = {}
+    for i in idx:
+        parts.setdefault(keys[i].group_id, []).append(i)
+    return list(parts.values())
 
 
 def _fill_of(fill: BlockFill, idx: list[int], count: int) -> SlotFill:

@@ -210,3 +210,84 @@ def test_calls_from_many_threads_stay_exact() -> None:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             for done in [pool.submit(work, seed) for seed in range(4)]:
                 done.result(timeout=60)
+
+
+def _side_call(call: Any) -> Any:
+    """Run ``call`` on another thread and return its result; fails if it is still waiting after 10 s
+    (it would wait for as long as the calling thread holds the cache's index lock)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    threading.Thread(target=lambda: future.set_result(call()), daemon=True).start()
+    return future.result(timeout=10)
+
+
+def test_other_threads_look_up_and_load_while_a_store_copies() -> None:
+    """A store on the caller's thread copies with the index lock released: another thread's lookup and
+    load finish while the copy is under way, and see the store's blocks only once they are written."""
+    layout = small_layout()
+    hot, hot_blocks = make_keys(2), random_blocks(2, layout, seed=12)
+    new, new_blocks = make_keys(3, start=10), random_blocks(3, layout, seed=13)
+    rows = new_blocks.view(torch.uint8).view(3, -1)
+    with TieredCache.from_config(_cpu_tiers((8,))) as cache:
+        assert cache.store(hot, hot_blocks) == 2
+        seen: dict[str, Any] = {}
+
+        def fill(slab: torch.Tensor, slots: list[int], idx: list[int] | None) -> None:
+            out = torch.zeros_like(hot_blocks)
+            seen["hot"] = _side_call(lambda: (cache.lookup(hot), cache.load(hot, out)))
+            seen["hot_bytes"] = torch.equal(out, hot_blocks)
+            seen["new"] = _side_call(lambda: cache.lookup(new))
+            for slot, i in zip(slots, idx if idx is not None else range(3), strict=True):
+                slab[slot].copy_(rows[i])
+
+        plan = cache.core.plan_store(new)
+        assert cache.core.execute_with(plan, new, fill) == 3
+        assert seen == {"hot": (2, 2), "hot_bytes": True, "new": 0}  # pending writes are invisible
+        out = torch.zeros_like(new_blocks)
+        assert cache.lookup(new) == 3 and cache.load(new, out) == 3
+        assert torch.equal(out, new_blocks)
+
+
+def test_a_failed_fill_frees_its_slots_and_stores_nothing() -> None:
+    layout = small_layout()
+    keys, blocks = make_keys(3), random_blocks(3, layout, seed=14)
+    with TieredCache.from_config(_cpu_tiers((4,))) as cache:
+        tier = cache.core.tiers[0]
+
+        def broken(slab: torch.Tensor, slots: list[int], idx: list[int] | None) -> None:
+            raise RuntimeError("the engine's copy failed")
+
+        assert cache.core.execute_with(cache.core.plan_store(keys), keys, broken) == 0
+        assert cache.lookup(keys) == 0 and set(tier.keys()) == set()
+        assert tier._slots.problems() == []
+
+        def wrong(slab: torch.Tensor, slots: list[int], idx: list[int] | None) -> None:
+            raise LayoutMismatch("rows of the wrong size")
+
+        with pytest.raises(LayoutMismatch, match="wrong size"):  # a caller's fault is raised, after settling
+            cache.core.execute_with(cache.core.plan_store(keys), keys, wrong)
+        assert cache.lookup(keys) == 0 and tier._slots.problems() == []
+        stats = cache.stats().tiers[0]
+        assert (stats.stores, stats.failed_stores, stats.errors) == (0, 6, {"RuntimeError": 1})
+        assert cache.store(keys, blocks) == 3  # nothing was left pending
+        out = torch.zeros_like(blocks)
+        assert cache.load(keys, out) == 3 and torch.equal(out, blocks)
+
+
+def test_close_waits_for_a_store_that_is_copying() -> None:
+    """close() from another thread does not release the tier's memory under a copy in progress."""
+    layout = small_layout()
+    keys, blocks = make_keys(2), random_blocks(2, layout, seed=15)
+    rows = blocks.view(torch.uint8).view(2, -1)
+    cache = TieredCache.from_config(_cpu_tiers((4,)))
+    closing = threading.Thread(target=cache.close)
+
+    def fill(slab: torch.Tensor, slots: list[int], idx: list[int] | None) -> None:
+        closing.start()
+        closing.join(timeout=0.3)
+        assert closing.is_alive()  # close() waits for this copy
+        for slot, i in zip(slots, idx if idx is not None else range(2), strict=True):
+            slab[slot].copy_(rows[i])
+
+    assert cache.core.execute_with(cache.core.plan_store(keys), keys, fill) == 2
+    closing.join(timeout=10)
+    assert not closing.is_alive() and cache.closed

@@ -15,7 +15,7 @@ import logging
 import mmap
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import ClassVar, cast
+from typing import ClassVar, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -66,6 +66,20 @@ def _host_register(tensor: torch.Tensor) -> bool:
 SlotFill = Callable[[torch.Tensor, list[int], "list[int] | None"], None]
 #: ``read(slab, slots)`` of :meth:`CpuTier.get_with`: copy the blocks in rows ``slots`` of ``slab`` out
 SlotRead = Callable[[torch.Tensor, list[int]], None]
+
+
+class SlotReservation(NamedTuple):
+    """Slots a :meth:`CpuTier.reserve` gave a batch, to be written by :meth:`CpuTier.fill`."""
+
+    keys: Sequence[BlockKey]
+    #: the group's ``[num_slots, nbytes]`` uint8 slab
+    slab: torch.Tensor
+    #: the slots given, in key order
+    slots: list[int]
+    #: the positions in ``keys`` that got them; None when every key got one
+    placed: list[int] | None
+    #: per key: whether it got a slot (False: the slab is full)
+    ok: list[bool]
 
 
 class CpuTier(Tier):
@@ -139,10 +153,7 @@ class CpuTier(Tier):
         """:meth:`put_now` of a batch the caller checked (a contiguous ``[len(keys), nbytes]`` uint8 CPU
         tensor, keys of one group of this tier, as :meth:`_is_row_batch` says): :meth:`put_with` with one
         copy for the batch."""
-        def copy_rows(slab: torch.Tensor, slots: list[int], placed: list[int] | None) -> None:
-            src = rows if placed is None else rows[torch.tensor(placed, dtype=torch.long)]
-            _copy_batch(src.numpy(), slab.numpy(), slots, into_slab=True)
-        return self.put_with(keys, copy_rows)
+        return self.put_with(keys, rows_fill(rows))
 
     def _slab_of(self, keys: Sequence[BlockKey], caller: str) -> tuple[int, _Slab]:
         """The group and slab of a batch whose keys all belong to one of this tier's groups."""
@@ -161,27 +172,39 @@ class CpuTier(Tier):
         """
         if not keys:
             return []
+        reservation = self.reserve(keys)
+        self.fill(reservation, fill)
+        return reservation.ok
+
+    def reserve(self, keys: Sequence[BlockKey]) -> SlotReservation:
+        """The first half of :meth:`put_with`: give ``keys`` (one group's) their slots, copying nothing.
+
+        A cache that stores on the caller's thread reserves under its index lock and fills after
+        releasing it, so other threads' lookups and loads do not wait for the copies.
+        """
         group_id, slab = self._slab_of(keys, "put_with")
-        start = time.perf_counter()
         slots = self._slots.assign_many(group_id, keys)
-        placed: list[int] | None = None
         if None in slots:  # the slab filled up: the keys that got a slot
             placed = [i for i, slot in enumerate(slots) if slot is not None]
-            ok = [slot is not None for slot in slots]
-            taken = [cast("int", slots[i]) for i in placed]
-        else:
-            ok = [True] * len(keys)
-            taken = cast("list[int]", slots)
-        if taken:
-            try:
-                fill(slab.tensor, taken, placed)
-            except BaseException:
-                self._slots.release_many(keys if placed is None else [keys[i] for i in placed])
-                raise
+            return SlotReservation(keys, slab.tensor, [cast("int", slots[i]) for i in placed], placed,
+                                   [slot is not None for slot in slots])
+        return SlotReservation(keys, slab.tensor, cast("list[int]", slots), None, [True] * len(keys))
+
+    def fill(self, reservation: SlotReservation, fill: SlotFill) -> None:
+        """The second half of :meth:`put_with`: ``fill`` the reserved slots (safe beside other threads'
+        calls: only these slots are written). If ``fill`` raises, the slots are freed and it propagates."""
+        keys, slab, taken, placed = reservation.keys, reservation.slab, reservation.slots, reservation.placed
+        if not taken:
+            return
+        start = time.perf_counter()
+        try:
+            fill(slab, taken, placed)
+        except BaseException:
+            self._slots.release_many(keys if placed is None else [keys[i] for i in placed])
+            raise
         self.counters.blocks_written += len(taken)
-        self.counters.bytes_written += len(taken) * slab.slot_bytes
+        self.counters.bytes_written += len(taken) * slab.shape[1]
         self.counters.write_seconds += time.perf_counter() - start
-        return ok
 
     def get_with(self, keys: Sequence[BlockKey], read: SlotRead) -> None:
         """Hand the slots of ``keys`` (one group's, each holding a block) to ``read(slab, slots)``, which
@@ -283,6 +306,22 @@ class CpuTier(Tier):
     async def close(self) -> None:
         for slab in self._slabs.values():
             slab.release()
+
+
+def rows_fill(rows: torch.Tensor) -> SlotFill:
+    """A :data:`SlotFill` copying a checked contiguous ``[n, nbytes]`` uint8 CPU batch, one row per key
+    (one copy for the batch)."""
+    def fill(slab: torch.Tensor, slots: list[int], placed: list[int] | None) -> None:
+        src = rows if placed is None else rows[torch.tensor(placed, dtype=torch.long)]
+        _copy_batch(src.numpy(), slab.numpy(), slots, into_slab=True)
+    return fill
+
+
+def buffers_fill(buffers: list[torch.Tensor]) -> SlotFill:
+    """A :data:`SlotFill` copying checked 1-D uint8 ``buffers``, one per key."""
+    def fill(slab: torch.Tensor, slots: list[int], placed: list[int] | None) -> None:
+        _copy_rows(buffers if placed is None else [buffers[p] for p in placed], slab, slots, into_slab=True)
+    return fill
 
 
 def _by_group(keys: Sequence[BlockKey]) -> dict[int, list[int]]:

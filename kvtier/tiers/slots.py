@@ -8,6 +8,7 @@ a ``put``, and a full group simply refuses new keys.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from typing import cast
@@ -28,7 +29,9 @@ class _GroupSlots:
 class SlotAllocator:
     """Per group: a free list of slot numbers and a map from key to its slot.
 
-    Not thread-safe: each tier uses it from the one thread that runs its calls.
+    Its changes are serialised by a lock of its own: a cache's store on the caller's thread fills its
+    slots outside the cache's index lock while the loop thread may run the tier's calls (and a failed
+    fill frees its slots there).
     """
 
     def __init__(self, slots_per_group: Mapping[int, int]) -> None:
@@ -36,6 +39,7 @@ class SlotAllocator:
             if count < 0:
                 raise ValueError(f"group {group_id}: slot count must not be negative, got {count}")
         self._groups = {g: _GroupSlots(count) for g, count in slots_per_group.items()}
+        self._lock = threading.Lock()
 
     def capacity(self, group_id: int) -> int:
         """How many slots the group has (0 for an unknown group)."""
@@ -54,25 +58,27 @@ class SlotAllocator:
 
     def assign(self, key: BlockKey) -> int | None:
         """The slot for storing ``key``: the one it already holds, else a free one; None when full."""
-        group = self._groups.get(key.group_id)
-        if group is None:
-            return None
-        slot = group.slot_of.get(key)
-        if slot is None:
-            if not group.free:
+        with self._lock:
+            group = self._groups.get(key.group_id)
+            if group is None:
                 return None
-            slot = group.slot_of[key] = group.free.pop()
-        return slot
+            slot = group.slot_of.get(key)
+            if slot is None:
+                if not group.free:
+                    return None
+                slot = group.slot_of[key] = group.free.pop()
+            return slot
 
     def release(self, key: BlockKey) -> int | None:
         """Free the slot of ``key`` (returned; None when it held none)."""
-        group = self._groups.get(key.group_id)
-        if group is None:
-            return None
-        slot = group.slot_of.pop(key, None)
-        if slot is not None:
-            group.free.append(slot)
-        return slot
+        with self._lock:
+            group = self._groups.get(key.group_id)
+            if group is None:
+                return None
+            slot = group.slot_of.pop(key, None)
+            if slot is not None:
+                group.free.append(slot)
+            return slot
 
     def assign_many(self, group_id: int, keys: Sequence[BlockKey]) -> list[int | None]:
         """:meth:`assign` of each of ``keys``, all of group ``group_id`` (one call for a store's batch).
@@ -80,31 +86,32 @@ class SlotAllocator:
         The usual batch (distinct keys, none holding a slot, room for all) takes the top of the free
         list in one slice and maps the keys in one ``dict.update``: no Python per key.
         """
-        group = self._groups.get(group_id)
-        if group is None:
-            return [None] * len(keys)
-        slot_of, free = group.slot_of, group.free
-        count = len(keys)
-        if count <= len(free) and (not slot_of or slot_of.keys().isdisjoint(keys)) \
-                and len(set(keys)) == count:
-            # what popping the free list once per key hands out: its last ``count`` slots, last first
-            start = len(free) - count
-            taken = free[start:]
-            taken.reverse()
-            del free[start:]
-            slot_of.update(zip(keys, taken, strict=True))
-            return cast("list[int | None]", taken)  # no copy: list is invariant
-        slots: list[int | None] = []
-        append = slots.append
-        for key in keys:
-            slot = slot_of.get(key)
-            if slot is None:
-                if not free:
-                    append(None)
-                    continue
-                slot = slot_of[key] = free.pop()
-            append(slot)
-        return slots
+        with self._lock:
+            group = self._groups.get(group_id)
+            if group is None:
+                return [None] * len(keys)
+            slot_of, free = group.slot_of, group.free
+            count = len(keys)
+            if count <= len(free) and (not slot_of or slot_of.keys().isdisjoint(keys)) \
+                    and len(set(keys)) == count:
+                # what popping the free list once per key hands out: its last ``count`` slots, last first
+                start = len(free) - count
+                taken = free[start:]
+                taken.reverse()
+                del free[start:]
+                slot_of.update(zip(keys, taken, strict=True))
+                return cast("list[int | None]", taken)  # no copy: list is invariant
+            slots: list[int | None] = []
+            append = slots.append
+            for key in keys:
+                slot = slot_of.get(key)
+                if slot is None:
+                    if not free:
+                        append(None)
+                        continue
+                    slot = slot_of[key] = free.pop()
+                append(slot)
+            return slots
 
     def slots_of(self, group_id: int, keys: Sequence[BlockKey]) -> list[int | None]:
         """:meth:`slot` of each of ``keys``, all of group ``group_id``."""
@@ -119,18 +126,19 @@ class SlotAllocator:
         Per group, the keys' slots are popped with one ``map`` and pushed on the free list in key order,
         as one :meth:`release` per key would (a key of another group is in no other group's map).
         """
-        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        if not keys:
-            return
-        for group in self._groups.values():
-            slot_of = group.slot_of
-            if not slot_of:
-                continue
-            slots = list(map(slot_of.pop, keys, repeat(None)))
-            if None in slots:
-                group.free.extend([slot for slot in slots if slot is not None])
-            else:
-                group.free.extend(slots)  # type: ignore[arg-type]  # none of them is None
+        with self._lock:
+            keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+            if not keys:
+                return
+            for group in self._groups.values():
+                slot_of = group.slot_of
+                if not slot_of:
+                    continue
+                slots = list(map(slot_of.pop, keys, repeat(None)))
+                if None in slots:
+                    group.free.extend([slot for slot in slots if slot is not None])
+                else:
+                    group.free.extend(slots)  # type: ignore[arg-type]  # none of them is None
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, BlockKey):
