@@ -1009,9 +1009,7 @@ class AsyncTieredCache:
         caller's thread (``nbytes`` of them)."""
         with self._index_lock:
             tier, activity = self.tiers[t], self._activity[t]
-            tier.counters.blocks_read += len(idx)
-            tier.counters.bytes_read += nbytes
-            tier.counters.read_seconds += elapsed
+            tier.counters.add_reads(len(idx), nbytes, elapsed)
             activity.observe("get", elapsed)
             activity.hits += len(idx)
             if touch:

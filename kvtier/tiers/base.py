@@ -9,6 +9,7 @@ or corrupt blocks (docs/architecture.md#failure-contract), only for programming 
 from __future__ import annotations
 
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ class TierCounters:
     The tier is the only writer of these (the cache times its calls for the latency histograms
     only), so ``bytes / seconds`` is the tier's real throughput; the one exception is
     :meth:`kvtier.cache.AsyncTieredCache.read_leased`, whose memory copies bypass the tier.
+    A memory tier is written from two threads (the loop's calls, and a cache's copies on the caller's
+    thread, docs/architecture.md "Calls on the caller's thread"): update through :meth:`add_writes`,
+    :meth:`add_reads` and :meth:`error`, whose lock keeps a ``+=`` of one thread from losing the other's.
     """
 
     blocks_written: int = 0
@@ -39,9 +43,25 @@ class TierCounters:
     write_seconds: float = 0.0
     read_seconds: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def error(self, kind: str, count: int = 1) -> None:
-        self.errors[kind] = self.errors.get(kind, 0) + count
+        with self._lock:
+            self.errors[kind] = self.errors.get(kind, 0) + count
+
+    def add_writes(self, blocks: int, nbytes: int, seconds: float = 0.0) -> None:
+        """``blocks`` written (``nbytes`` of them) in ``seconds``."""
+        with self._lock:
+            self.blocks_written += blocks
+            self.bytes_written += nbytes
+            self.write_seconds += seconds
+
+    def add_reads(self, blocks: int, nbytes: int, seconds: float = 0.0) -> None:
+        """``blocks`` read (``nbytes`` of them) in ``seconds``."""
+        with self._lock:
+            self.blocks_read += blocks
+            self.bytes_read += nbytes
+            self.read_seconds += seconds
 
 
 class Tier(ABC):

@@ -127,6 +127,7 @@ class CpuTier(Tier):
         self.check_buffers(keys, blocks, "blocks")
         start = time.perf_counter()
         ok = [False] * len(keys)
+        written = nbytes = 0
         for group_id, idx in _by_group(keys).items():
             slab = self._slabs[group_id]
             assigned = self._slots.assign_many(group_id, [keys[i] for i in idx])
@@ -135,9 +136,9 @@ class CpuTier(Tier):
             _copy_rows([blocks[i] for i in placed], slab.tensor, slots, into_slab=True)
             for i in placed:
                 ok[i] = True
-            self.counters.blocks_written += len(placed)
-            self.counters.bytes_written += len(placed) * slab.slot_bytes
-        self.counters.write_seconds += time.perf_counter() - start
+            written += len(placed)
+            nbytes += len(placed) * slab.slot_bytes
+        self.counters.add_writes(written, nbytes, time.perf_counter() - start)
         return ok
 
     def _is_row_batch(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> bool:
@@ -202,9 +203,7 @@ class CpuTier(Tier):
         except BaseException:
             self._slots.release_many(keys if placed is None else [keys[i] for i in placed])
             raise
-        self.counters.blocks_written += len(taken)
-        self.counters.bytes_written += len(taken) * slab.shape[1]
-        self.counters.write_seconds += time.perf_counter() - start
+        self.counters.add_writes(len(taken), len(taken) * slab.shape[1], time.perf_counter() - start)
 
     def get_with(self, keys: Sequence[BlockKey], read: SlotRead) -> None:
         """Hand the slots of ``keys`` (one group's, each holding a block) to ``read(slab, slots)``, which
@@ -231,6 +230,7 @@ class CpuTier(Tier):
         self.check_buffers(keys, out, "out")
         start = time.perf_counter()
         ok = [False] * len(keys)
+        read = nbytes = 0
         for group_id, idx in _by_group(keys).items():
             slab = self._slabs[group_id]
             slots = self._slots.slots_of(group_id, [keys[i] for i in idx])
@@ -239,9 +239,9 @@ class CpuTier(Tier):
                        into_slab=False)
             for i in hits:
                 ok[i] = True
-            self.counters.blocks_read += len(hits)
-            self.counters.bytes_read += len(hits) * slab.slot_bytes
-        self.counters.read_seconds += time.perf_counter() - start
+            read += len(hits)
+            nbytes += len(hits) * slab.slot_bytes
+        self.counters.add_reads(read, nbytes, time.perf_counter() - start)
         return ok
 
     def _get_rows(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> list[bool]:
@@ -258,9 +258,7 @@ class CpuTier(Tier):
             _copy_batch(rows.numpy(), slab.tensor.numpy(), cast("list[int]", slots), into_slab=False)
             ok = [True] * len(keys)
         read = sum(ok)
-        self.counters.blocks_read += read
-        self.counters.bytes_read += read * slab.slot_bytes
-        self.counters.read_seconds += time.perf_counter() - start
+        self.counters.add_reads(read, read * slab.slot_bytes, time.perf_counter() - start)
         return ok
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:

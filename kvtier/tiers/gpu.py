@@ -325,6 +325,7 @@ class GpuTier(Tier):
         last = {key: i for i, key in enumerate(keys)}
         moves: _Moves = {}
         placed: set[BlockKey] = set()
+        nbytes = 0
         for key, i in last.items():
             slot = self._slots.assign(key)
             if slot is None:
@@ -333,10 +334,9 @@ class GpuTier(Tier):
             slots.append(slot)
             buffers.append(blocks[i])
             placed.add(key)
-            self.counters.blocks_written += 1
-            self.counters.bytes_written += blocks[i].numel()
+            nbytes += blocks[i].numel()
         await self._move(moves, into_slab=True)
-        self.counters.write_seconds += time.perf_counter() - start
+        self.counters.add_writes(len(placed), nbytes, time.perf_counter() - start)
         return [key in placed for key in keys]
 
     async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> list[bool]:
@@ -345,6 +345,7 @@ class GpuTier(Tier):
         start = time.perf_counter()
         ok = [False] * len(keys)
         moves: _Moves = {}
+        nbytes = 0
         for i, key in enumerate(keys):
             slot = self._slots.slot(key)
             if slot is not None:
@@ -352,10 +353,9 @@ class GpuTier(Tier):
                 slots.append(slot)
                 buffers.append(out[i])
                 ok[i] = True
-                self.counters.blocks_read += 1
-                self.counters.bytes_read += out[i].numel()
+                nbytes += out[i].numel()
         await self._move(moves, into_slab=False)
-        self.counters.read_seconds += time.perf_counter() - start
+        self.counters.add_reads(sum(ok), nbytes, time.perf_counter() - start)
         return ok
 
     async def _move(self, moves: _Moves, *, into_slab: bool) -> None:
