@@ -641,34 +641,43 @@ class AsyncTieredCache:
                 self._tier_failed(t, "put", len(reserved), exc)
         return write
 
-    def _fill_inline(self, writes: list[_InlineWrite]) -> LayoutMismatch | None:
+    def _fill_inline(self, writes: list[_InlineWrite]) -> BaseException | None:
         """The copies of :meth:`_begin_inline`'s writes, index lock released. A failed copy fails its
-        blocks (logged, counted); a :class:`LayoutMismatch` from a caller's fill is returned, to be
-        raised once the writes are settled."""
-        mismatch = None
+        blocks (logged, counted). A :class:`LayoutMismatch` from a caller's fill, or anything that is not
+        an ``Exception`` (``KeyboardInterrupt``), is returned, to be raised once the writes are settled;
+        after the latter, no further write is filled (their slots are freed, their blocks fail)."""
+        raised: BaseException | None = None
         for write in writes:
             reservation = write.reservation
             if reservation is None or write.fill is None:
                 continue
+            tier = cast("CpuTier", self.tiers[write.t])
+            if raised is not None and not isinstance(raised, Exception):
+                write.failed = True
+                tier.cancel(reservation)
+                continue
             start = time.perf_counter()
             try:
-                cast("CpuTier", self.tiers[write.t]).fill(reservation, write.fill)
+                tier.fill(reservation, write.fill)
             except LayoutMismatch as exc:
-                mismatch = exc
+                raised = exc
                 write.failed = True
             except Exception as exc:
                 write.failed = True
                 self._tier_failed(write.t, "put", len(reservation.keys), exc)
+            except BaseException as exc:  # settled first, then raised: no key is left pending
+                raised = exc
+                write.failed = True
             else:
                 write.seconds = time.perf_counter() - start
-        return mismatch
+        return raised
 
-    def _end_inline(self, writes: list[_InlineWrite], mismatch: LayoutMismatch | None,
+    def _end_inline(self, writes: list[_InlineWrite], raised: BaseException | None,
                     removed: Iterable[BlockKey], skipped: Sequence[int]) -> int:
         """Settle :meth:`_begin_inline`'s writes (taking the index lock; it runs even if the cache closed
         meanwhile: close() waits for it) and count them. Returns how many of the plan's keys are now
         stored in some tier, with ``skipped`` (already there; a key written to two tiers counts once);
-        raises ``mismatch`` after settling."""
+        raises ``raised`` (from :meth:`_fill_inline`) after settling."""
         stored: set[int] = set()
         with self._index_lock:
             try:
@@ -695,8 +704,8 @@ class AsyncTieredCache:
                 self._counts["stored_blocks"] += count
             finally:
                 self._unlocked_copies -= 1
-        if mismatch is not None:
-            raise mismatch
+        if raised is not None:
+            raise raised
         return count
 
     def _tier_failed(self, t: int, op: str, count: int, exc: BaseException) -> None:

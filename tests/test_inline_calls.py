@@ -273,6 +273,31 @@ def test_a_failed_fill_frees_its_slots_and_stores_nothing() -> None:
         assert cache.load(keys, out) == 3 and torch.equal(out, blocks)
 
 
+def test_an_interrupted_fill_leaves_no_key_pending_and_no_slot_taken() -> None:
+    """A KeyboardInterrupt in a caller's copy (written through to two tiers) propagates after the
+    writes are settled: the other tier's write is not filled, every slot is free again and the keys
+    can be stored and loaded at once (nothing left PENDING, close() does not wait)."""
+    layout = small_layout()
+    keys, blocks = make_keys(3), random_blocks(3, layout, seed=16)
+    with TieredCache.from_config(_cpu_tiers((4, 4), write_mode="write_through")) as cache:
+        calls: list[int] = []
+
+        def interrupted(slab: torch.Tensor, slots: list[int], idx: list[int] | None) -> None:
+            calls.append(len(slots))
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            cache.core.execute_with(cache.core.plan_store(keys), keys, interrupted)
+        assert calls == [3]  # the second tier's write never ran
+        assert cache.lookup(keys) == 0
+        for tier in cache.core.tiers:
+            assert set(tier.keys()) == set() and tier._slots.problems() == []
+        assert cache.store(keys, blocks) == 3
+        out = torch.zeros_like(blocks)
+        assert cache.load(keys, out) == 3 and torch.equal(out, blocks)
+        assert [set(tier.keys()) for tier in cache.core.tiers] == [set(keys), set(keys)]
+
+
 def test_close_waits_for_a_store_that_is_copying() -> None:
     """close() from another thread does not release the tier's memory under a copy in progress."""
     layout = small_layout()

@@ -194,16 +194,21 @@ class CpuTier(Tier):
     def fill(self, reservation: SlotReservation, fill: SlotFill) -> None:
         """The second half of :meth:`put_with`: ``fill`` the reserved slots (safe beside other threads'
         calls: only these slots are written). If ``fill`` raises, the slots are freed and it propagates."""
-        keys, slab, taken, placed = reservation.keys, reservation.slab, reservation.slots, reservation.placed
+        slab, taken, placed = reservation.slab, reservation.slots, reservation.placed
         if not taken:
             return
         start = time.perf_counter()
         try:
             fill(slab, taken, placed)
         except BaseException:
-            self._slots.release_many(keys if placed is None else [keys[i] for i in placed])
+            self.cancel(reservation)
             raise
         self.counters.add_writes(len(taken), len(taken) * slab.shape[1], time.perf_counter() - start)
+
+    def cancel(self, reservation: SlotReservation) -> None:
+        """Free the slots of a :meth:`reserve` that will not be filled (its fill failed, or never ran)."""
+        keys, placed = reservation.keys, reservation.placed
+        self._slots.release_many(keys if placed is None else [keys[i] for i in placed])
 
     def get_with(self, keys: Sequence[BlockKey], read: SlotRead) -> None:
         """Hand the slots of ``keys`` (one group's, each holding a block) to ``read(slab, slots)``, which
