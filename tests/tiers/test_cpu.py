@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import LayoutMismatch
+from kvtier.tiers.base import TierCounters
 from kvtier.tiers.buffers import PAGE, strided_rows
 from kvtier.tiers.cpu import CpuTier
 from tests.helpers import make_keys, random_blocks, small_layout
@@ -171,18 +175,28 @@ def test_get_into_a_batch_tensor_equals_get_into_its_rows(slots: int, stored: li
         assert torch.equal(into_rows[row], into_batch[row])
 
 
+def run_switching_often(*targets: Callable[[], None]) -> None:
+    """Run each target on its own thread, all at once, the interpreter switching threads as often as
+    it can (so that a read-modify-write without a lock gets interrupted)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=target) for target in targets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def test_counters_add_up_when_two_threads_write_and_read_at_once() -> None:
     """A cache copies into a CPU tier on the caller's thread while the loop thread runs the tier's own
     calls: neither may lose the other's counts."""
-    import sys
-    import threading
-
     layout = small_layout()
     tier = CpuTier("cpu", {0: layout}, {0: 64 * layout.nbytes}, pinned=False)
     blocks = rows(random_blocks(2, layout))
     rounds = 1000
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
 
     def writer(base: int) -> None:
         for n in range(rounds):
@@ -194,14 +208,7 @@ def test_counters_add_up_when_two_threads_write_and_read_at_once() -> None:
             tier.delete_now(keys)
             asyncio.run(tier.get(make_keys(1, start=10_000), blocks[:1]))  # a miss, counted as 0
 
-    try:
-        threads = [threading.Thread(target=writer, args=(base,)) for base in (0, 32)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_switching_often(lambda: writer(0), lambda: writer(32))
     assert tier.counters.blocks_written == 2 * 2 * rounds
     assert tier.counters.bytes_written == 2 * 2 * rounds * layout.nbytes
     assert tier.counters.blocks_read == 0
@@ -210,15 +217,8 @@ def test_counters_add_up_when_two_threads_write_and_read_at_once() -> None:
 def test_tier_counters_lose_no_count_to_two_threads() -> None:
     """``errors[kind] = errors.get(kind, 0) + n`` can switch threads between the read and the write:
     without the counters' lock, two threads counting at once lost about a fifth of the counts here."""
-    import sys
-    import threading
-
-    from kvtier.tiers.base import TierCounters
-
     counters = TierCounters()
     rounds = 50_000
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
 
     def count() -> None:
         for _ in range(rounds):
@@ -226,14 +226,7 @@ def test_tier_counters_lose_no_count_to_two_threads() -> None:
             counters.add_writes(1, 10, 0.5)
             counters.add_reads(2, 20, 0.25)
 
-    try:
-        threads = [threading.Thread(target=count) for _ in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_switching_often(count, count)
     assert counters.errors == {"timeout": 2 * rounds}
     assert (counters.blocks_written, counters.bytes_written, counters.write_seconds) == (
         2 * rounds, 20 * rounds, 0.5 * 2 * rounds)
