@@ -156,3 +156,11 @@ _GROUP_ID = attrgetter("group_id")
 def all_of_group(keys: Sequence[BlockKey], group_id: int) -> bool:
     """Whether every one of ``keys`` is of group ``group_id``, in one C-level pass (a batch's check)."""
     return list(map(_GROUP_ID, keys)).count(group_id) == len(keys)
+
+
+def positions_by_group(keys: Sequence[BlockKey]) -> dict[int, list[int]]:
+    """Group id → the positions in ``keys`` of that group's keys, in order (a batch split per slab)."""
+    groups: dict[int, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key.group_id, []).append(i)
+    return groups

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
-from kvtier.blocks import BlockKey, KVCacheSpec, all_of_group
+from kvtier.blocks import BlockKey, KVCacheSpec, all_of_group, positions_by_group
 from kvtier.codec import MAX_HASH_BYTES
 from kvtier.errors import CacheClosed, KVTierConfigError, LayoutMismatch
 from kvtier.hashing import Namespace
@@ -659,15 +659,12 @@ class AsyncTieredCache:
             start = time.perf_counter()
             try:
                 tier.fill(reservation, write.fill)
-            except LayoutMismatch as exc:
-                raised = exc
+            except BaseException as exc:
                 write.failed = True
-            except Exception as exc:
-                write.failed = True
-                self._tier_failed(write.t, "put", len(reservation.keys), exc)
-            except BaseException as exc:  # settled first, then raised: no key is left pending
-                raised = exc
-                write.failed = True
+                if isinstance(exc, Exception) and not isinstance(exc, LayoutMismatch):
+                    self._tier_failed(write.t, "put", len(reservation.keys), exc)  # a tier fault
+                else:  # the caller's fault or an interrupt: raised once settled, no key left pending
+                    raised = exc
             else:
                 write.seconds = time.perf_counter() - start
         return raised
@@ -709,6 +706,8 @@ class AsyncTieredCache:
         return count
 
     def _tier_failed(self, t: int, op: str, count: int, exc: BaseException) -> None:
+        """A call of tier ``t`` on ``count`` blocks raised ``exc``: counted by kind and logged (its blocks
+        fail; the cache goes on)."""
         tier = self.tiers[t]
         tier.counters.error(type(exc).__name__)
         log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, count, exc)
@@ -776,8 +775,7 @@ class AsyncTieredCache:
             try:
                 result = _run_now(self._safe_io(t, op, keys, *args))
             except RuntimeError as exc:  # the tier's call waited: it cannot run here
-                tier.counters.error(type(exc).__name__)
-                log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
+                self._tier_failed(t, op, len(keys), exc)
                 return [False] * len(keys)
             return [True] * len(keys) if result is None else result
         start = time.perf_counter()
@@ -786,8 +784,7 @@ class AsyncTieredCache:
         except LayoutMismatch:
             raise
         except Exception as exc:  # as _safe_io: logged, counted, all-False
-            tier.counters.error(type(exc).__name__)
-            log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
+            self._tier_failed(t, op, len(keys), exc)
             return [False] * len(keys)
         self._activity[t].observe(op, time.perf_counter() - start)
         return [True] * len(keys) if done is None else done
@@ -1376,8 +1373,7 @@ class AsyncTieredCache:
         except LayoutMismatch:
             raise
         except Exception as exc:
-            tier.counters.error(type(exc).__name__)
-            log.warning("tier %s: %s of %d blocks failed: %r", tier.name, op, len(keys), exc)
+            self._tier_failed(t, op, len(keys), exc)
             return [False] * len(keys)
         self._activity[t].observe(op, time.perf_counter() - start)
         return result  # the tier counts its own bytes and seconds (TierCounters): one owner per counter
@@ -1389,8 +1385,7 @@ class AsyncTieredCache:
             await tier.delete(keys)
             self._activity[t].observe("delete", time.perf_counter() - start)
         except Exception as exc:
-            tier.counters.error(type(exc).__name__)
-            log.warning("tier %s: delete of %d blocks failed: %r", tier.name, len(keys), exc)
+            self._tier_failed(t, "delete", len(keys), exc)
 
 
 #: ``fill(slab, slots, idx)`` of :meth:`AsyncTieredCache.execute_with`
@@ -1427,13 +1422,10 @@ class _InlineWrite:
 
 def _by_group(keys: Sequence[BlockKey], idx: list[int]) -> list[list[int]]:
     """``idx`` split by the group of ``keys[i]``, each part in order (one part: the usual batch)."""
-    first = keys[idx[0]].group_id
-    if all(keys[i].group_id == first for i in idx):
+    chosen = [keys[i] for i in idx]
+    if all_of_group(chosen, chosen[0].group_id):
         return [idx]
-    parts: dict[int, list[int]] = {}
-    for i in idx:
-        parts.setdefault(keys[i].group_id, []).append(i)
-    return list(parts.values())
+    return [[idx[j] for j in part] for part in positions_by_group(chosen).values()]
 
 
 def _fill_of(fill: BlockFill, idx: list[int], count: int) -> SlotFill:

@@ -20,7 +20,7 @@ from typing import ClassVar, NamedTuple, cast
 import numpy as np
 import torch
 
-from kvtier.blocks import BlockKey, all_of_group
+from kvtier.blocks import BlockKey, all_of_group, positions_by_group
 from kvtier.layout import BlockLayout
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import as_rows, strided_rows
@@ -128,7 +128,7 @@ class CpuTier(Tier):
         start = time.perf_counter()
         ok = [False] * len(keys)
         written = nbytes = 0
-        for group_id, idx in _by_group(keys).items():
+        for group_id, idx in positions_by_group(keys).items():
             slab = self._slabs[group_id]
             assigned = self._slots.assign_many(group_id, [keys[i] for i in idx])
             placed = [i for i, slot in zip(idx, assigned, strict=True) if slot is not None]
@@ -236,7 +236,7 @@ class CpuTier(Tier):
         start = time.perf_counter()
         ok = [False] * len(keys)
         read = nbytes = 0
-        for group_id, idx in _by_group(keys).items():
+        for group_id, idx in positions_by_group(keys).items():
             slab = self._slabs[group_id]
             slots = self._slots.slots_of(group_id, [keys[i] for i in idx])
             hits = [i for i, slot in zip(idx, slots, strict=True) if slot is not None]
@@ -325,13 +325,6 @@ def buffers_fill(buffers: list[torch.Tensor]) -> SlotFill:
     def fill(slab: torch.Tensor, slots: list[int], placed: list[int] | None) -> None:
         _copy_rows(buffers if placed is None else [buffers[p] for p in placed], slab, slots, into_slab=True)
     return fill
-
-
-def _by_group(keys: Sequence[BlockKey]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
-    for i, key in enumerate(keys):
-        groups.setdefault(key.group_id, []).append(i)
-    return groups
 
 
 def _copy_rows(buffers: list[torch.Tensor], slab: torch.Tensor, slots: list[int], *, into_slab: bool) -> None:
