@@ -89,8 +89,8 @@ def bench(block_kib: int, mib: int, batch: int, seconds: float, gap: float) -> N
     print("|---|---|---|---|---|---|---|---|---|")
     for name, lat in rows.items():
         cells = [f"{np.percentile(lat[op], q):.0f}" for op in ("lookup", "load") for q in (50, 99, 100)]
-        print(f"| {name} | {len(lat['lookup'])} | " + " | ".join(cells)
-              + f" | {rate if name != 'idle' else 0:.2f} |".replace("| 0.00 |", "| – |"))
+        writer = "–" if name == "idle" else f"{rate:.2f}"
+        print(f"| {name} | {len(lat['lookup'])} | " + " | ".join(cells) + f" | {writer} |")
 
 
 def main(argv: list[str] | None = None) -> None:
