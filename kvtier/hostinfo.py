@@ -1,4 +1,4 @@
-"""What this machine offers a cache: available memory, free disk, whether CUDA can run — without torch.
+"""What this machine offers a cache: CPUs, available memory, free disk, whether CUDA runs — without torch.
 
 ``kvtier check`` compares capacities with these and says "pinned" only where CUDA is present; it must
 not import torch (seconds) to find out, so CUDA is probed the way torch would find it: a CUDA build of
@@ -14,6 +14,14 @@ import re
 import shutil
 import sys
 from pathlib import Path
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API (macOS)
+        return os.cpu_count() or 1
 
 
 def available_memory() -> int | None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from kvtier.hostinfo import _cgroup_headroom, available_memory
+from kvtier.hostinfo import _cgroup_headroom, available_memory, usable_cpus
 
 
 def test_cgroup_headroom_reads_v2_then_v1(tmp_path: Path) -> None:
@@ -26,3 +27,10 @@ def test_cgroup_headroom_reads_v2_then_v1(tmp_path: Path) -> None:
 def test_available_memory_is_a_positive_byte_count_here() -> None:
     available = available_memory()
     assert available is not None and 0 < available < 1 << 50  # this suite runs on Linux
+
+
+def test_usable_cpus_is_the_affinity_mask_at_least_one() -> None:
+    cpus = usable_cpus()
+    assert 1 <= cpus <= (os.cpu_count() or 1)
+    if hasattr(os, "sched_getaffinity"):
+        assert cpus == len(os.sched_getaffinity(0))

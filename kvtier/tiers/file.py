@@ -50,6 +50,7 @@ from kvtier.codec import (
 )
 from kvtier.errors import CorruptBlock, KVTierConfigError, LayoutMismatch, TierUnavailable
 from kvtier.hashing import namespace_fingerprint
+from kvtier.hostinfo import usable_cpus
 from kvtier.layout import BlockLayout
 from kvtier.logs import LogLimiter
 from kvtier.tiers.base import Tier
@@ -278,9 +279,17 @@ class FileTier(Tier):
         self._disk_checked_at = float("-inf")
         self._made_dirs: set[str] = set()
         self._io_threads = io_threads
-        #: executor tasks of the batches in flight (counted on the event loop's thread only)
-        self._tasks_in_flight = 0
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-file-{name}")
+        # Reads from the page cache are CPU work (a copy and a checksum), so more reading threads than
+        # CPUs only add hand-overs of the GIL between them: reads get a pool of at most one thread
+        # per usable CPU. Cold reads do not need more: the disk already has every missing block
+        # requested at once (``WILLNEED``, see :meth:`_read_cached_block`).
+        read_threads = min(io_threads, usable_cpus())
+        self._read_executor = self._executor if read_threads == io_threads else ThreadPoolExecutor(
+            read_threads, thread_name_prefix=f"kvtier-file-{name}-read")
+        self._pool_threads = {self._executor: io_threads, self._read_executor: read_threads}
+        #: executor tasks of the batches in flight per pool (counted on the event loop's thread only)
+        self._tasks_in_flight = dict.fromkeys(self._pool_threads, 0)
         try:
             self._make_dir(self.root, parents=True)
             self._refuse_unsafe(self.root, ancestors=True)
@@ -291,10 +300,10 @@ class FileTier(Tier):
             self._scan()
             self._chains = ChainLog(self.directory / CHAIN_LOG)
         except OSError as exc:
-            self._executor.shutdown(wait=False)
+            self._shutdown(wait=False)
             raise TierUnavailable(f"file tier {name!r} cannot use {self.directory}: {exc}") from exc
         except KVTierConfigError:
-            self._executor.shutdown(wait=False)
+            self._shutdown(wait=False)
             raise
 
     # --- public API ------------------------------------------------------------------------------
@@ -346,7 +355,8 @@ class FileTier(Tier):
         """
         slots, reads = self._read_jobs(keys, out)
         start = time.perf_counter()
-        outcomes = await self._on_io_threads(self._read_cached_block, reads, self._read_block)
+        outcomes = await self._on_io_threads(self._read_cached_block, reads, self._read_block,
+                                             executor=self._read_executor)
         self.counters.read_seconds += time.perf_counter() - start
         hits = [False] * len(keys)
         counters = self.counters
@@ -424,9 +434,13 @@ class FileTier(Tier):
 
     async def close(self) -> None:
         """Wait for in-flight I/O on a helper thread, then stop the I/O threads."""
-        await asyncio.to_thread(self._executor.shutdown, True)
+        await asyncio.to_thread(self._shutdown, True)
         self._corrupt_log.flush()
         self._capacity_log.flush()
+
+    def _shutdown(self, wait: bool) -> None:
+        for executor in self._pool_threads:
+            executor.shutdown(wait)
 
     def _fit_disk(self, disk_full: bool) -> None:
         """Make ``capacity_bytes`` what the disk can hold: the blocks held plus what fits in the free space
@@ -474,11 +488,14 @@ class FileTier(Tier):
 
     async def _on_io_threads(self, work: Callable[..., _Outcome | _Finish | None],
                              jobs: list[tuple[Any, ...]],
-                             later: Callable[..., _Outcome | None] | None = None) -> list[_Outcome]:
+                             later: Callable[..., _Outcome | None] | None = None,
+                             executor: ThreadPoolExecutor | None = None) -> list[_Outcome]:
         """Run ``work(*job)`` for every job on the I/O threads: one executor task per thread, not per block.
 
         ``work`` may return ``None`` to put a job off: the thread runs ``later(*job)`` for it once the
-        shared queue is empty (cold reads: see :meth:`_read_cached_block`). It may also return the
+        shared queue is empty (cold reads: see :meth:`_read_cached_block`); on ``executor`` (the read
+        pool, smaller than ``io_threads``), the jobs put off run afterwards on all ``io_threads``,
+        since a cold read waits on the disk rather than on a CPU. It may also return the
         rest of the job as a function, which the thread runs once the queue is empty even if the call
         was cancelled (a synced write waits for its write-back, then renames: see :meth:`_write_block`).
 
@@ -494,6 +511,10 @@ class FileTier(Tier):
         queue = deque(enumerate(jobs))
         outcomes: list[_Outcome] = [_NOT_RUN] * len(jobs)
         stop = threading.Event()
+        pool = executor or self._executor
+        #: jobs put off, for the full pool (``None``: each thread runs ``later`` for its own)
+        handed_off: list[tuple[int, tuple[Any, ...]]] | None = (
+            [] if later is not None and pool is not self._executor else None)
 
         def drain() -> None:
             deferred: list[tuple[int, tuple[Any, ...]]] = []
@@ -514,6 +535,9 @@ class FileTier(Tier):
             finally:  # started writes are finished (or discarded) whatever happens
                 for index, finish in finishing:
                     outcomes[index] = finish()
+            if handed_off is not None:
+                handed_off.extend(deferred)  # list.extend is atomic
+                return
             for index, job in deferred:
                 if stop.is_set() or later is None:
                     return
@@ -523,9 +547,9 @@ class FileTier(Tier):
         # As many tasks as the batches already in flight leave threads idle, at least one: a batch
         # that arrives while every thread is taken queues behind them as one task, not io_threads
         # (each executor task costs a wake-up of a thread and of the loop).
-        tasks = max(1, min(len(jobs), self._io_threads - self._tasks_in_flight))
-        self._tasks_in_flight += tasks
-        futures = [loop.run_in_executor(self._executor, drain) for _ in range(tasks)]
+        tasks = max(1, min(len(jobs), self._pool_threads[pool] - self._tasks_in_flight[pool]))
+        self._tasks_in_flight[pool] += tasks
+        futures = [loop.run_in_executor(pool, drain) for _ in range(tasks)]
         try:
             await asyncio.shield(asyncio.gather(*futures))
         except BaseException:  # cancelled (or a bug in ``work``): stop, and let no thread outlive the call
@@ -533,7 +557,12 @@ class FileTier(Tier):
             await asyncio.wait(futures)
             raise
         finally:
-            self._tasks_in_flight -= tasks
+            self._tasks_in_flight[pool] -= tasks
+        if handed_off and later is not None:
+            rest = await self._on_io_threads(lambda *job: later(*job) or _NOT_RUN,
+                                             [job for _, job in handed_off])
+            for (index, _), outcome in zip(handed_off, rest, strict=True):
+                outcomes[index] = outcome
         return outcomes
 
     # --- paths and directories ---------------------------------------------------------------------

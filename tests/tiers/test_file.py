@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import logging
@@ -140,9 +141,11 @@ def test_io_runs_in_parallel_on_the_pool(tmp_path: Path, monkeypatch: pytest.Mon
     run(tier.close())
 
 
-def test_batches_in_flight_together_share_the_threads_without_a_task_each_per_thread(tmp_path: Path) -> None:
+def test_batches_in_flight_together_share_the_threads_without_a_task_each_per_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eight gets at once on four threads: the first takes the four threads, the ones that arrive while
     all are taken queue as one task each; every block still comes back exact."""
+    monkeypatch.setattr(file_module, "usable_cpus", lambda: 4)  # reads may use all four threads
     tier = make_tier(tmp_path, io_threads=4)
     keys = [key(i) for i in range(32)]
     blocks = [random_block(0, i) for i in range(32)]
@@ -165,6 +168,65 @@ def test_batches_in_flight_together_share_the_threads_without_a_task_each_per_th
     assert len(submitted) == 4 + 7
     assert run(tier.get(keys[:4], out[:4])) == [True] * 4  # alone again: the four threads
     assert len(submitted) == 4 + 7 + 4
+    run(tier.close())
+
+
+def test_reads_use_at_most_one_thread_per_cpu_and_writes_all_io_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On two CPUs, a tier of four I/O threads reads on two threads (more would only pass the GIL back
+    and forth) and still writes on four (writes wait on the disk); every block comes back exact."""
+    monkeypatch.setattr(file_module, "usable_cpus", lambda: 2)
+    tier = make_tier(tmp_path, io_threads=4)
+    readers: set[str] = set()
+    writers: set[str] = set()
+    calls: list[bool] = []
+    four_at_once = threading.Barrier(4, timeout=10)
+    lock = threading.Lock()
+    real_read, real_write = tier._read_cached_block, tier._write_block
+
+    def read(*args):
+        readers.add(threading.current_thread().name)
+        return real_read(*args)
+
+    def write(*args):
+        with lock:
+            writers.add(threading.current_thread().name)
+            first = len(calls) < 4
+            calls.append(first)
+        if first:  # the first four writes wait for each other: they run on four threads at once
+            with contextlib.suppress(threading.BrokenBarrierError):
+                four_at_once.wait()
+        return real_write(*args)
+
+    monkeypatch.setattr(tier, "_read_cached_block", read)
+    monkeypatch.setattr(tier, "_write_block", write)
+    keys = [key(i) for i in range(64)]
+    blocks = [random_block(0, i) for i in range(64)]
+    assert run(tier.put(keys, blocks)) == [True] * 64
+    assert len(writers) == 4 and not four_at_once.broken
+    out = [torch.zeros_like(b) for b in blocks]
+
+    async def together() -> list[list[bool]]:
+        return await asyncio.gather(*[tier.get(keys[i:i + 8], out[i:i + 8]) for i in range(0, 64, 8)])
+
+    assert run(together()) == [[True] * 8] * 8
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+    assert 1 <= len(readers) <= 2 and not readers & writers
+    if hasattr(os, "RWF_NOWAIT"):  # cold blocks, put off by the read pool, are read on all four threads
+        cold_readers: set[str] = set()
+        real_cold = tier._read_block
+
+        def cold(*args, **kwargs):
+            if not kwargs.get("nowait"):
+                cold_readers.add(threading.current_thread().name)
+            return real_cold(*args, **kwargs)
+
+        monkeypatch.setattr(tier, "_read_block", cold)
+        drop_from_page_cache(tier, keys[:16])
+        out = [torch.zeros_like(b) for b in blocks]
+        assert run(tier.get(keys, out)) == [True] * 64
+        assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+        assert cold_readers <= writers  # (none where the kernel read a block ahead in time)
     run(tier.close())
 
 
@@ -950,7 +1012,7 @@ def test_a_wrong_out_buffer_in_a_real_sized_batch_reads_nothing_and_loses_nothin
     assert reads == [] and all(not o.any() for o in out)
     assert set(tier.keys()) == set(keys) and all(tier.path_of(k).exists() for k in keys)
     assert tier.counters.blocks_read == 0 and tier.counters.errors == {}
-    assert tier._tasks_in_flight == 0
+    assert not any(tier._tasks_in_flight.values())
     out[bad_at] = torch.zeros(BIG[group].nbytes, dtype=torch.uint8)
     assert run(tier.get(keys, out)) == [True] * n
     assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
@@ -973,5 +1035,5 @@ def test_many_gets_in_flight_on_two_threads_all_finish_exact(tmp_path: Path) -> 
 
     assert run(together()) == [[True] * 4] * (n // 4)
     assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
-    assert tier._tasks_in_flight == 0 and tier.counters.blocks_read == n
+    assert not any(tier._tasks_in_flight.values()) and tier.counters.blocks_read == n
     run(tier.close())
