@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -290,6 +290,9 @@ class FileTier(Tier):
         self._pool_threads = {self._executor: io_threads, self._read_executor: read_threads}
         #: executor tasks of the batches in flight per pool (counted on the event loop's thread only)
         self._tasks_in_flight = dict.fromkeys(self._pool_threads, 0)
+        #: tasks the read pool handed to the full pool (cold reads), counted on the I/O threads
+        self._handed_in_flight = 0
+        self._handed_lock = threading.Lock()
         try:
             self._make_dir(self.root, parents=True)
             self._refuse_unsafe(self.root, ancestors=True)
@@ -355,8 +358,10 @@ class FileTier(Tier):
         """
         slots, reads = self._read_jobs(keys, out)
         start = time.perf_counter()
-        outcomes = await self._on_io_threads(self._read_cached_block, reads, self._read_block,
-                                             executor=self._read_executor)
+        # the read pool where a read can tell the page cache from the disk (not: O_DIRECT, no RWF_NOWAIT)
+        outcomes = await self._on_io_threads(
+            self._read_cached_block, reads, self._read_block,
+            executor=self._read_executor if self._nowait and not self._direct_reads else None)
         self.counters.read_seconds += time.perf_counter() - start
         hits = [False] * len(keys)
         counters = self.counters
@@ -493,9 +498,9 @@ class FileTier(Tier):
         """Run ``work(*job)`` for every job on the I/O threads: one executor task per thread, not per block.
 
         ``work`` may return ``None`` to put a job off: the thread runs ``later(*job)`` for it once the
-        shared queue is empty (cold reads: see :meth:`_read_cached_block`); on ``executor`` (the read
-        pool, smaller than ``io_threads``), the jobs put off run afterwards on all ``io_threads``,
-        since a cold read waits on the disk rather than on a CPU. It may also return the
+        shared queue is empty (cold reads: see :meth:`_read_cached_block`). On ``executor`` (the read
+        pool, smaller than ``io_threads``), a job put off hands the rest of the queue to the full
+        pool: a cold read waits on the disk, not on a CPU. It may also return the
         rest of the job as a function, which the thread runs once the queue is empty even if the call
         was cancelled (a synced write waits for its write-back, then renames: see :meth:`_write_block`).
 
@@ -512,21 +517,48 @@ class FileTier(Tier):
         outcomes: list[_Outcome] = [_NOT_RUN] * len(jobs)
         stop = threading.Event()
         pool = executor or self._executor
-        #: jobs put off, for the full pool (``None``: each thread runs ``later`` for its own)
-        handed_off: list[tuple[int, tuple[Any, ...]]] | None = (
-            [] if later is not None and pool is not self._executor else None)
+        small_pool = later is not None and pool is not self._executor
+        #: the full pool's tasks that took over from the small pool (see ``hand_to_full_pool``)
+        joined: list[Future[None]] = []
+        join_lock = threading.Lock()
 
-        def drain() -> None:
+        def hand_to_full_pool(index: int, job: tuple[Any, ...]) -> bool:
+            # A block put off means a cold batch: its opens and reads wait on the disk, not on a CPU.
+            # The first time, the full pool takes the rest of the queue, this block again included,
+            # and the small pool's thread moves on to the next batch (which then puts its own cold
+            # reads in flight). After that (``False``) the thread keeps its block, as the full pool may
+            # have emptied the queue and finished already.
+            with join_lock:
+                if joined or stop.is_set():
+                    return False
+                queue.append((index, job))
+                with self._handed_lock:  # as many tasks as leave threads idle, at least one (as below)
+                    busy = self._tasks_in_flight[self._executor] + self._handed_in_flight
+                    tasks = max(1, min(len(queue), self._io_threads - busy))
+                    self._handed_in_flight += tasks
+                joined.extend(self._executor.submit(handed_drain) for _ in range(tasks))
+                return True
+
+        def handed_drain() -> None:
+            try:
+                drain(False)
+            finally:
+                with self._handed_lock:
+                    self._handed_in_flight -= 1
+
+        def drain(on_small_pool: bool) -> None:
             deferred: list[tuple[int, tuple[Any, ...]]] = []
             finishing: list[tuple[int, _Finish]] = []
             try:
-                while not stop.is_set():
+                while not stop.is_set() and not (on_small_pool and joined):  # (the full pool has the rest)
                     try:
                         index, job = queue.popleft()
                     except IndexError:
                         break
                     outcome = work(*job)
                     if outcome is None:
+                        if on_small_pool and hand_to_full_pool(index, job):
+                            break
                         deferred.append((index, job))
                     elif isinstance(outcome, _Outcome):
                         outcomes[index] = outcome
@@ -535,9 +567,6 @@ class FileTier(Tier):
             finally:  # started writes are finished (or discarded) whatever happens
                 for index, finish in finishing:
                     outcomes[index] = finish()
-            if handed_off is not None:
-                handed_off.extend(deferred)  # list.extend is atomic
-                return
             for index, job in deferred:
                 if stop.is_set() or later is None:
                     return
@@ -549,20 +578,19 @@ class FileTier(Tier):
         # (each executor task costs a wake-up of a thread and of the loop).
         tasks = max(1, min(len(jobs), self._pool_threads[pool] - self._tasks_in_flight[pool]))
         self._tasks_in_flight[pool] += tasks
-        futures = [loop.run_in_executor(pool, drain) for _ in range(tasks)]
+        futures = [loop.run_in_executor(pool, drain, small_pool) for _ in range(tasks)]
         try:
             await asyncio.shield(asyncio.gather(*futures))
+            # every join happened inside a task awaited above: ``joined`` is complete here
+            await asyncio.shield(asyncio.gather(*map(asyncio.wrap_future, joined)))
         except BaseException:  # cancelled (or a bug in ``work``): stop, and let no thread outlive the call
             stop.set()
-            await asyncio.wait(futures)
+            with join_lock:  # no join after this
+                waiting = [*futures, *map(asyncio.wrap_future, joined)]
+            await asyncio.wait(waiting)
             raise
         finally:
             self._tasks_in_flight[pool] -= tasks
-        if handed_off and later is not None:
-            rest = await self._on_io_threads(lambda *job: later(*job) or _NOT_RUN,
-                                             [job for _, job in handed_off])
-            for (index, _), outcome in zip(handed_off, rest, strict=True):
-                outcomes[index] = outcome
         return outcomes
 
     # --- paths and directories ---------------------------------------------------------------------
