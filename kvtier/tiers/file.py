@@ -282,8 +282,7 @@ class FileTier(Tier):
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-file-{name}")
         # Reads from the page cache are CPU work (a copy and a checksum), so more reading threads than
         # CPUs only add hand-overs of the GIL between them: reads get a pool of at most one thread
-        # per usable CPU. Cold reads do not need more: the disk already has every missing block
-        # requested at once (``WILLNEED``, see :meth:`_read_cached_block`).
+        # per usable CPU. A cold batch goes back to the full pool (:meth:`_on_io_threads`).
         read_threads = min(io_threads, usable_cpus())
         self._read_executor = self._executor if read_threads == io_threads else ThreadPoolExecutor(
             read_threads, thread_name_prefix=f"kvtier-file-{name}-read")
@@ -444,8 +443,9 @@ class FileTier(Tier):
         self._capacity_log.flush()
 
     def _shutdown(self, wait: bool) -> None:
-        for executor in self._pool_threads:
-            executor.shutdown(wait)
+        # the read pool first: a read in flight may still hand its cold blocks to the full pool
+        self._read_executor.shutdown(wait)
+        self._executor.shutdown(wait)
 
     def _fit_disk(self, disk_full: bool) -> None:
         """Make ``capacity_bytes`` what the disk can hold: the blocks held plus what fits in the free space
