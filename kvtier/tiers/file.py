@@ -498,15 +498,15 @@ class FileTier(Tier):
         """Run ``work(*job)`` for every job on the I/O threads: one executor task per thread, not per block.
 
         ``work`` may return ``None`` to put a job off: the thread runs ``later(*job)`` for it once the
-        shared queue is empty (cold reads: see :meth:`_read_cached_block`). On ``executor`` (the read
-        pool, smaller than ``io_threads``), a job put off hands the rest of the queue to the full
-        pool: a cold read waits on the disk, not on a CPU. It may also return the
+        shared queue is empty (cold reads: see :meth:`_read_cached_block`). It may also return the
         rest of the job as a function, which the thread runs once the queue is empty even if the call
         was cancelled (a synced write waits for its write-back, then renames: see :meth:`_write_block`).
+        On ``executor`` (the read pool, smaller than ``io_threads``), the first job put off hands the
+        rest of the queue to the full pool: a cold read waits on the disk, not on a CPU.
 
-        Up to ``io_threads`` tasks drain one shared queue (``deque.popleft`` is atomic), so a slow file
-        holds up only its own thread and a batch costs a few futures instead of one per block (about
-        120 µs each, measured, when every block went through asyncio and the pool on its own). If the
+        Up to one task per thread of the pool drains one shared queue (``deque.popleft`` is atomic), so
+        a slow file holds up only its own thread and a batch costs a few futures instead of one per
+        block (about 120 µs each, measured, when every block went through asyncio and the pool). If the
         caller is cancelled, the threads take no further jobs and the call waits for the ones running,
         so that no thread reads or writes the caller's buffers after the call has ended (the same after a
         bug in ``work``, which is raised).

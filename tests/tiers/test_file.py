@@ -180,7 +180,7 @@ def test_reads_use_at_most_one_thread_per_cpu_and_writes_all_io_threads(
     tier = make_tier(tmp_path, io_threads=4)
     readers: set[str] = set()
     writers: set[str] = set()
-    calls: list[bool] = []
+    waiting = [4]  # the first four writes wait for each other
     four_at_once = threading.Barrier(4, timeout=10)
     lock = threading.Lock()
     real_read, real_write = tier._read_cached_block, tier._write_block
@@ -192,8 +192,8 @@ def test_reads_use_at_most_one_thread_per_cpu_and_writes_all_io_threads(
     def write(*args):
         with lock:
             writers.add(threading.current_thread().name)
-            first = len(calls) < 4
-            calls.append(first)
+            first = waiting[0] > 0
+            waiting[0] -= first
         if first:  # the first four writes wait for each other: they run on four threads at once
             with contextlib.suppress(threading.BrokenBarrierError):
                 four_at_once.wait()
