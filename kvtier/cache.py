@@ -626,11 +626,11 @@ class AsyncTieredCache:
         if fill is not None:  # the tier hands its slots to the caller's fill: no buffer between
             write.fill = _fill_of(fill, idx, len(keys))
         elif batch is not None:  # every row is there, checked: the tier copies the batch in one call
-            write.fill = rows_fill(_take_rows(batch, idx))
+            write.fill = rows_fill(_take_rows(batch, idx), tier.copier)
         else:
             assert rows is not None
             present = [j for j, i in enumerate(idx) if rows[i] is not None]
-            write.fill = buffers_fill([cast("torch.Tensor", rows[idx[j]]) for j in present])
+            write.fill = buffers_fill([cast("torch.Tensor", rows[idx[j]]) for j in present], tier.copier)
             if len(present) != len(idx):
                 write.present = present
         reserved = [write.keys[j] for j in write.present] if write.present is not None else write.keys

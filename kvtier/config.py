@@ -138,6 +138,15 @@ class TierBase(_SizeMixin):
 class CpuTierConfig(TierBase):
     type: Literal["cpu"]
     pinned: bool | Literal["auto"] = "auto"
+    #: threads a copy of a MiB or more is split over; ``auto``: two where two CPUs are usable
+    copy_threads: int | Literal["auto"] = "auto"
+
+    @field_validator("copy_threads", mode="before")
+    @classmethod
+    def _copy_threads(cls, value: Any) -> Any:
+        if isinstance(value, bool) or (isinstance(value, int) and not 1 <= value <= 64):
+            raise ValueError(f"copy_threads must be 1 to 64 or 'auto', got {value}")
+        return value
 
 
 class TransferConfig(_Strict):
@@ -591,7 +600,8 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
 
         try:
             return CpuTier(name, layouts, split_capacity(tc.capacity, spec),
-                           pinned=None if tc.pinned == "auto" else tc.pinned)
+                           pinned=None if tc.pinned == "auto" else tc.pinned,
+                           copy_threads=None if tc.copy_threads == "auto" else tc.copy_threads)
         except OSError as exc:  # the host cannot map that much memory
             raise KVTierConfigError(f"{path}.capacity", f"cannot reserve {tc.capacity} bytes of host memory: "
                                                         f"{exc.strerror or exc}") from None

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -419,3 +420,20 @@ def test_a_bad_or_contradicting_file_write_io_names_the_key(tmp_path: Path) -> N
                                      "direct_io: true")
     cfg["tiers"][1].update(write_io="direct", direct_io=False)
     assert "write_io: direct contradicts direct_io: false" in error_for(cfg)
+
+
+def test_cpu_copy_threads_reach_the_tier_and_a_bad_count_names_the_key(tmp_path: Path) -> None:
+    cfg = base(tmp_path)
+    for bad in (0, 65, True, "many"):
+        cfg["tiers"][0]["copy_threads"] = bad
+        assert error_for(cfg).startswith("tiers[0].copy_threads")
+    cfg["tiers"][0]["copy_threads"] = 3
+    from kvtier.config import build_cache_parts
+
+    _, tiers, _, _ = build_cache_parts(load_config(cfg))
+    try:
+        assert tiers[0].copier.threads == 3  # type: ignore[attr-defined]
+    finally:
+        for tier in tiers:
+            asyncio.run(tier.close())
+    assert tiers[0].copier.threads == 1  # type: ignore[attr-defined]  # closed: its threads are gone

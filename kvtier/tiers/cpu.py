@@ -5,6 +5,9 @@ when CUDA is present, page-locked with ``cudaHostRegister`` — exactly the byte
 ``pin_memory()``, whose caching allocator rounds up to powers of two. Slots are zero-copy views: the
 GPU kernels, the file tier and demotions read and write them in place.
 
+Copies of a MiB or more run on two threads where two CPUs are usable (:mod:`kvtier.tiers.hostcopy`:
+one thread's copy does not reach the memory's bandwidth).
+
 Not here: deciding what to evict (the cache does that before ``put``), compression, checksums (the
 bytes never leave process memory).
 """
@@ -23,7 +26,7 @@ import torch
 from kvtier.blocks import BlockKey, all_of_group, positions_by_group
 from kvtier.layout import BlockLayout
 from kvtier.tiers.base import Tier
-from kvtier.tiers.buffers import as_rows, strided_rows
+from kvtier.tiers.hostcopy import SERIAL, RowCopier, default_copy_threads
 from kvtier.tiers.slots import SlotAllocator
 
 log = logging.getLogger(__name__)
@@ -90,8 +93,11 @@ class CpuTier(Tier):
     addressable: ClassVar[bool] = True
 
     def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int], *,
-                 pinned: bool | None = None) -> None:
+                 pinned: bool | None = None, copy_threads: int | None = None) -> None:
         super().__init__(name, layouts, capacity_bytes)
+        #: copies a batch of a MiB or more on ``copy_threads`` threads (default: two, CPUs allowing)
+        self.copier = RowCopier(default_copy_threads() if copy_threads is None else copy_threads,
+                                name=f"kvtier-cpu-{name}-copy")
         pin = torch.cuda.is_available() if pinned is None else pinned
         if pin and not torch.cuda.is_available():
             log.info("CPU tier %r: pinned memory asked for but CUDA is unavailable; using plain memory", name)
@@ -133,7 +139,7 @@ class CpuTier(Tier):
             assigned = self._slots.assign_many(group_id, [keys[i] for i in idx])
             placed = [i for i, slot in zip(idx, assigned, strict=True) if slot is not None]
             slots = [slot for slot in assigned if slot is not None]
-            _copy_rows([blocks[i] for i in placed], slab.tensor, slots, into_slab=True)
+            self.copier.rows([blocks[i] for i in placed], slab.tensor, slots, into_slab=True)
             for i in placed:
                 ok[i] = True
             written += len(placed)
@@ -154,7 +160,7 @@ class CpuTier(Tier):
         """:meth:`put_now` of a batch the caller checked (a contiguous ``[len(keys), nbytes]`` uint8 CPU
         tensor, keys of one group of this tier, as :meth:`_is_row_batch` says): :meth:`put_with` with one
         copy for the batch."""
-        return self.put_with(keys, rows_fill(rows))
+        return self.put_with(keys, rows_fill(rows, self.copier))
 
     def _slab_of(self, keys: Sequence[BlockKey], caller: str) -> tuple[int, _Slab]:
         """The group and slab of a batch whose keys all belong to one of this tier's groups."""
@@ -240,8 +246,8 @@ class CpuTier(Tier):
             slab = self._slabs[group_id]
             slots = self._slots.slots_of(group_id, [keys[i] for i in idx])
             hits = [i for i, slot in zip(idx, slots, strict=True) if slot is not None]
-            _copy_rows([out[i] for i in hits], slab.tensor, [slot for slot in slots if slot is not None],
-                       into_slab=False)
+            self.copier.rows([out[i] for i in hits], slab.tensor,
+                             [slot for slot in slots if slot is not None], into_slab=False)
             for i in hits:
                 ok[i] = True
             read += len(hits)
@@ -256,11 +262,11 @@ class CpuTier(Tier):
         slots = self._slots.slots_of(keys[0].group_id, keys)
         if None in slots:  # some misses: copy the hits' rows (their rows of ``rows`` are views)
             hits = [i for i, slot in enumerate(slots) if slot is not None]
-            _copy_rows([rows[i] for i in hits], slab.tensor, [cast("int", slots[i]) for i in hits],
-                       into_slab=False)
+            self.copier.rows([rows[i] for i in hits], slab.tensor, [cast("int", slots[i]) for i in hits],
+                             into_slab=False)
             ok = [slot is not None for slot in slots]
         else:
-            _copy_batch(rows.numpy(), slab.tensor.numpy(), cast("list[int]", slots), into_slab=False)
+            self.copier.batch(rows.numpy(), slab.tensor.numpy(), cast("list[int]", slots), into_slab=False)
             ok = [True] * len(keys)
         read = sum(ok)
         self.counters.add_reads(read, read * slab.slot_bytes, time.perf_counter() - start)
@@ -303,73 +309,26 @@ class CpuTier(Tier):
         if None in slots:
             raise KeyError(f"{keys[slots.index(None)]} holds no slot in CPU tier {self.name!r}")
         slab = self._slabs[keys[0].group_id]
-        _copy_batch(rows.numpy(), slab.tensor.numpy(), cast("list[int]", slots), into_slab=False)
+        self.copier.batch(rows.numpy(), slab.tensor.numpy(), cast("list[int]", slots), into_slab=False)
         return True
 
     async def close(self) -> None:
+        self.copier.close()
         for slab in self._slabs.values():
             slab.release()
 
 
-def rows_fill(rows: torch.Tensor) -> SlotFill:
+def rows_fill(rows: torch.Tensor, copier: RowCopier = SERIAL) -> SlotFill:
     """A :data:`SlotFill` copying a checked contiguous ``[n, nbytes]`` uint8 CPU batch, one row per key
     (one copy for the batch)."""
     def fill(slab: torch.Tensor, slots: list[int], placed: list[int] | None) -> None:
         src = rows if placed is None else rows[torch.tensor(placed, dtype=torch.long)]
-        _copy_batch(src.numpy(), slab.numpy(), slots, into_slab=True)
+        copier.batch(src.numpy(), slab.numpy(), slots, into_slab=True)
     return fill
 
 
-def buffers_fill(buffers: list[torch.Tensor]) -> SlotFill:
+def buffers_fill(buffers: list[torch.Tensor], copier: RowCopier = SERIAL) -> SlotFill:
     """A :data:`SlotFill` copying checked 1-D uint8 ``buffers``, one per key."""
     def fill(slab: torch.Tensor, slots: list[int], placed: list[int] | None) -> None:
-        _copy_rows(buffers if placed is None else [buffers[p] for p in placed], slab, slots, into_slab=True)
+        copier.rows(buffers if placed is None else [buffers[p] for p in placed], slab, slots, into_slab=True)
     return fill
-
-
-def _copy_rows(buffers: list[torch.Tensor], slab: torch.Tensor, slots: list[int], *, into_slab: bool) -> None:
-    """Copy between caller buffers and slab rows.
-
-    When the buffers are consecutive rows of one tensor (what the cache passes) and the slots step
-    evenly (what the free list hands out), the batch is one ``np.copyto`` between two ``[n, nbytes]``
-    views: no per-block Python. Otherwise into the slab: one fancy-indexed assignment when the
-    buffers are rows of one tensor; out of the slab: one ``np.copyto`` per block (measured here,
-    ``np.take(..., out=)`` runs at a third of the speed of row copies, and ``torch`` row copies split
-    2 MiB across threads for no gain).
-    """
-    if not buffers:
-        return
-    rows = as_rows(buffers) if len(buffers) > 1 else None
-    if rows is not None and rows.device.type == "cpu":
-        _copy_batch(rows.numpy(), slab.numpy(), slots, into_slab=into_slab)
-        return
-    if any(buf.device.type != "cpu" for buf in buffers):  # device blocks (GPU tier demotions): torch copies
-        for buf, slot in zip(buffers, slots, strict=True):
-            if into_slab:
-                slab[slot].copy_(buf)
-            else:
-                buf.copy_(slab[slot])
-        return
-    slab_np = slab.numpy()
-    for buf, slot in zip(buffers, slots, strict=True):
-        if into_slab:
-            np.copyto(slab_np[slot], buf.numpy())
-        else:
-            np.copyto(buf.numpy(), slab_np[slot])
-
-
-def _copy_batch(rows_np: np.ndarray, slab_np: np.ndarray, slots: list[int], *, into_slab: bool) -> None:
-    """Copy between ``[n, nbytes]`` rows and the slab rows ``slots``: one call when the slots step evenly."""
-    if not slots:
-        return
-    run = strided_rows(slab_np, slots)
-    if run is not None:
-        if into_slab:
-            np.copyto(run, rows_np)
-        else:
-            np.copyto(rows_np, run)
-    elif into_slab:
-        slab_np[np.asarray(slots)] = rows_np
-    else:
-        for row, slot in zip(rows_np, slots, strict=True):
-            np.copyto(row, slab_np[slot])
