@@ -38,7 +38,7 @@ import torch
 
 from kvtier.blocks import BlockKey, KVCacheSpec, all_of_group, positions_by_group
 from kvtier.codec import MAX_HASH_BYTES
-from kvtier.errors import CacheClosed, KVTierConfigError, LayoutMismatch
+from kvtier.errors import CacheClosed, CacheForked, KVTierConfigError, LayoutMismatch
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats, TierActivity, TierStats
 from kvtier.policy import InsertHint
@@ -88,6 +88,7 @@ def _operation(method: Callable[Concatenate[AsyncTieredCache, P], Awaitable[T]]
     async def tracked(self: AsyncTieredCache, *args: P.args, **kwargs: P.kwargs) -> T:
         task = asyncio.current_task()
         ops = self._operations
+        self._check_process()  # before the lock: a forked child may have inherited it held
         with self._index_lock:  # execute_now reads it under the lock: it never runs beside a call on the loop
             self._check_open()
             ops[task] = ops.get(task, 0) + 1
@@ -136,6 +137,10 @@ class AsyncTieredCache:
                             loaded_blocks=0, stored_blocks=0)
         self._started = False
         self._closed = False
+        #: the process that made the cache; set to the child's pid in a forked child (see _after_fork)
+        self._pid = os.getpid()
+        self._forked = False
+        _LIVE_CORES.add(self)
         #: write the memory tiers' blocks down to the persistent tier below on close (default: when there
         #: is one, i.e. a file or Redis tier), within ``persist_budget_seconds``
         self.persist_on_close = (any(not tier.addressable for tier in self.tiers) if persist_on_close is None
@@ -313,8 +318,18 @@ class AsyncTieredCache:
             await asyncio.wait(stragglers, timeout=INFLIGHT_GRACE_SECONDS)
 
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
             raise CacheClosed("the cache is closed")
+
+    def _check_process(self) -> None:
+        """Refuse every call in a forked child: the loop and the tiers' I/O and copy threads stayed in
+        the parent, so a call would wait for them forever (and a lock a parent's thread held at the fork
+        stays held)."""
+        if self._forked:
+            raise CacheForked(f"this cache was made in process {self._pid} and this is its forked child "
+                              f"{os.getpid()}: its loop and I/O threads did not survive the fork; make a "
+                              f"new cache in the child (or start it with the 'spawn' method)")
 
     async def __aenter__(self) -> AsyncTieredCache:
         await self.start()
@@ -446,6 +461,7 @@ class AsyncTieredCache:
         self._check_keys(keys)
         if hints is None:
             hints = [InsertHint(position=i) for i in range(len(keys))]
+        self._check_process()
         with self._index_lock:
             self._check_open()
             plan = self.residency.plan_store(keys, hints)
@@ -537,6 +553,7 @@ class AsyncTieredCache:
         buffers = self._byte_blocks(keys, blocks, "blocks")
         batch = _cpu_rows(buffers)
         hints = _chain_hints(keys, hints, predecessors)
+        self._check_process()
         with self._index_lock:
             self._check_open()
             if not self._runs_inline():
@@ -560,6 +577,7 @@ class AsyncTieredCache:
         buffers = self._byte_blocks(keys, out, "out")
         batch = _cpu_rows(buffers)
         index = self.residency.tiers[0]
+        self._check_process()
         with self._index_lock:
             self._check_open()
             if list(map(index.entries.get, keys)).count(READY) != len(keys):
@@ -579,6 +597,7 @@ class AsyncTieredCache:
                         rows: Sequence[torch.Tensor | None] | torch.Tensor | None, batch: torch.Tensor | None,
                         fill: BlockFill | None) -> int | None:
         """:meth:`execute_now` (``rows``, or their checked ``batch``) or :meth:`execute_with` (``fill``)."""
+        self._check_process()
         with self._index_lock:
             self._check_open()
             if not self._runs_inline():
@@ -792,6 +811,7 @@ class AsyncTieredCache:
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark each key recently used in the top-most tier holding it READY (thread-safe, no I/O)."""
         tiers = [(index.entries, index.policies) for index in self.residency.tiers]
+        self._check_process()
         with self._index_lock:
             self._check_open()
             for key in keys:
@@ -804,7 +824,9 @@ class AsyncTieredCache:
         """Record a plan as executed elsewhere (thread-safe, no I/O): its writes and demotions become
         readable (or are forgotten when ``ok`` is False). For a scheduler whose workers, in other
         processes, ran the plan on their own tiers (:meth:`execute` there). Like :meth:`release`, a no-op
-        once closed (an engine's shutdown path may still settle)."""
+        once closed (an engine's shutdown path may still settle), and in a forked child."""
+        if self._forked:
+            return
         with self._index_lock:
             if self._closed:
                 return
@@ -872,6 +894,7 @@ class AsyncTieredCache:
                       if not self.tiers[t].self_evicting]
         where: list[int | None] = []
         append = where.append
+        self._check_process()
         with self._index_lock:
             self._check_open()
             for key in keys:
@@ -888,8 +911,11 @@ class AsyncTieredCache:
     def release(self, keys: Sequence[BlockKey], where: Sequence[int | None]) -> None:
         """Drop the pins :meth:`lease` took (``where`` is what it returned); thread-safe.
 
-        The one call that does not raise :class:`CacheClosed` after close: it has nothing left to do."""
+        The one call that does not raise :class:`CacheClosed` after close (or in a forked child): it has
+        nothing left to do."""
         indexes = self.residency.tiers
+        if self._forked:
+            return
         with self._index_lock:
             if self._closed:
                 return  # pins die with the cache: an engine's shutdown path may still release them
@@ -921,6 +947,7 @@ class AsyncTieredCache:
         buffers = None if batch is not None else self._byte_blocks(keys, out, "out")
         by_tier: dict[int, list[int]] = {}
         indexes, tiers = self.residency.tiers, self.tiers
+        self._check_process()
         with self._index_lock:
             self._check_open()
             first = where[0] if len(where) == len(keys) and keys else None
@@ -964,6 +991,7 @@ class AsyncTieredCache:
         if type(tier) is not CpuTier or where.count(first) != len(where) or not all_of_group(keys, group_id):
             return False
         index = self.residency.tiers[first]
+        self._check_process()
         with self._index_lock:
             self._check_open()
             pins, entries = index.pins, index.entries
@@ -1058,6 +1086,7 @@ class AsyncTieredCache:
 
     def add_watcher(self, watcher: ResidencyWatcher) -> None:
         """Tell ``watcher`` of index changes from now on, after reporting every indexed key to it once."""
+        self._check_process()
         with self._index_lock:
             self._check_open()
             self._watchers.append(watcher)
@@ -1519,10 +1548,26 @@ def _length(value: object) -> str:
         return "-"
 
 
+# --- a forked child: the caches it inherited are unusable there -----------------------------------------
+#: every cache core made in this process (weakly): a forked child marks them all (see _after_fork)
+_LIVE_CORES: weakref.WeakSet[AsyncTieredCache] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """In a forked child: every inherited cache refuses its calls (:class:`CacheForked`), and exit and
+    SIGTERM close none of them (closing would wait on the parent's threads, and persisting would write
+    the parent's blocks from a copy of them)."""
+    for core in list(_LIVE_CORES):
+        core._forked = True
+    _OPEN_CACHES.clear()
+    _CLOSING.clear()
+
+
 # --- persisting on exit: caches still open at interpreter exit or on SIGTERM are closed (and persist) ---
 _OPEN_CACHES: weakref.WeakSet[TieredCache] = weakref.WeakSet()
 #: caches whose close() started (maybe on the thread a SIGTERM interrupted): exit waits for their persist
 _CLOSING: dict[int, concurrent.futures.Future[None]] = {}
+os.register_at_fork(after_in_child=_after_fork)
 _exit_hooks_lock = threading.Lock()
 _atexit_installed = False
 _sigterm_installed = False
@@ -1672,6 +1717,7 @@ class TieredCache:
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters; still answers after :meth:`close` (the final figures)."""
+        self.core._check_process()
         if self._closed:
             return self.core.stats()
         return self._call(self._snapshot())
@@ -1681,14 +1727,18 @@ class TieredCache:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._closed or self.core._forked
 
     def close(self) -> None:
         """Close the cache (see :meth:`AsyncTieredCache.close`); thread-safe and idempotent.
 
         Calls in flight on other threads finish, or raise :class:`CacheClosed` if they are cut short;
         every later call raises :class:`CacheClosed` (``stats()`` still answers, with the final figures).
+        In a forked child it does nothing: the parent's cache is the parent's to close.
         """
+        if self.core._forked:
+            self._closed = True
+            return
         with self._state:
             if self._closed:
                 return
@@ -1720,6 +1770,9 @@ class TieredCache:
         self.close()
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self.core._forked:
+            coro.close()
+            self.core._check_process()
         with self._state:
             if self._closed:
                 coro.close()
@@ -1733,6 +1786,7 @@ class TieredCache:
         """``call(*args)``, an ``AsyncTieredCache.*_now`` method, on the caller's thread: None (nothing
         done) when it cannot run there, or while a call handed to the loop is unsettled (a call made
         after it must not overtake it)."""
+        self.core._check_process()
         with self._state:
             if self._closed:
                 raise CacheClosed("TieredCache is closed")

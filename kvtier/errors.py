@@ -31,3 +31,8 @@ class CorruptBlock(KVTierError):
 
 class CacheClosed(KVTierError, RuntimeError):
     """The cache was closed: every later call raises this, and so does a call that close() cut short."""
+
+
+class CacheForked(CacheClosed):
+    """The cache was made in another process, and this one is its forked child: the cache's loop and
+    I/O threads did not survive the fork, so every call here raises this (make a new cache in the child)."""
