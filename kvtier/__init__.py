@@ -24,8 +24,8 @@ _EXPORTS = {
     "AsyncTieredCache": "kvtier.cache", "TieredCache": "kvtier.cache",
     "BlockKey": "kvtier.blocks", "KVCacheSpec": "kvtier.blocks", "KVGroup": "kvtier.blocks",
     "KVTierConfig": "kvtier.config", "load_config": "kvtier.config",
-    "CacheClosed": "kvtier.errors", "CacheForked": "kvtier.errors", "CorruptBlock": "kvtier.errors",
-    "KVTierConfigError": "kvtier.errors", "KVTierError": "kvtier.errors",
+    "CacheClosed": "kvtier.errors", "CacheForked": "kvtier.errors", "CalledOnLoopThread": "kvtier.errors",
+    "CorruptBlock": "kvtier.errors", "KVTierConfigError": "kvtier.errors", "KVTierError": "kvtier.errors",
     "LayoutMismatch": "kvtier.errors", "TierUnavailable": "kvtier.errors",
     "Namespace": "kvtier.hashing", "hash_token_blocks": "kvtier.hashing",
     "BlockLayout": "kvtier.layout", "PerLayerKind": "kvtier.layout", "PerLayerLayout": "kvtier.layout",
@@ -33,10 +33,10 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "AsyncTieredCache", "BlockKey", "BlockLayout", "CacheClosed", "CacheForked", "CorruptBlock", "InsertHint",
-    "KVCacheSpec", "KVGroup", "KVTierConfig", "KVTierConfigError", "KVTierError", "LayoutMismatch",
-    "Namespace", "PerLayerKind", "PerLayerLayout", "TierUnavailable", "TieredCache", "hash_token_blocks",
-    "load_config",
+    "AsyncTieredCache", "BlockKey", "BlockLayout", "CacheClosed", "CacheForked", "CalledOnLoopThread",
+    "CorruptBlock", "InsertHint", "KVCacheSpec", "KVGroup", "KVTierConfig", "KVTierConfigError",
+    "KVTierError", "LayoutMismatch", "Namespace", "PerLayerKind", "PerLayerLayout", "TierUnavailable",
+    "TieredCache", "hash_token_blocks", "load_config",
 ]
 
 
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from kvtier.errors import (
         CacheClosed,
         CacheForked,
+        CalledOnLoopThread,
         CorruptBlock,
         KVTierConfigError,
         KVTierError,

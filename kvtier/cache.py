@@ -38,7 +38,7 @@ import torch
 
 from kvtier.blocks import BlockKey, KVCacheSpec, all_of_group, positions_by_group
 from kvtier.codec import MAX_HASH_BYTES
-from kvtier.errors import CacheClosed, CacheForked, KVTierConfigError, LayoutMismatch
+from kvtier.errors import CacheClosed, CacheForked, CalledOnLoopThread, KVTierConfigError, LayoutMismatch
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats, TierActivity, TierStats
 from kvtier.policy import InsertHint
@@ -1620,7 +1620,8 @@ class TieredCache:
     """Blocking face of :class:`AsyncTieredCache`; its coroutines run on a private loop thread.
 
     ``lookup``/``load``/``store`` block until done; ``submit_load``/``submit_store`` return a
-    :class:`concurrent.futures.Future` at once, so an engine can overlap transfers with compute.
+    :class:`concurrent.futures.Future` at once, so an engine can overlap transfers with compute (their
+    done-callbacks may run on the loop thread, where a blocking call raises :class:`CalledOnLoopThread`).
     Use as a context manager or call :meth:`close`.
     """
 
@@ -1669,6 +1670,7 @@ class TieredCache:
     def load(self, keys: Sequence[BlockKey], out: Blocks) -> int:
         """See :meth:`AsyncTieredCache.load`. Blocks that all sit in a top CPU tier are copied on the
         caller's thread (:meth:`AsyncTieredCache.load_now`), with no hop to the loop."""
+        self._not_on_loop("load")
         loaded = self._now(self.core.load_now, keys, out)
         return loaded if loaded is not None else self._call(self.core.load(keys, out))
 
@@ -1676,6 +1678,7 @@ class TieredCache:
               predecessors: Sequence[BlockKey | None] | None = None) -> int:
         """See :meth:`AsyncTieredCache.store`. Into CPU tiers only, it runs on the caller's thread
         (:meth:`AsyncTieredCache.store_now`), with no hop to the loop."""
+        self._not_on_loop("store")
         stored = self._now(self.core.store_now, keys, blocks, hints, predecessors)
         if stored is not None:
             return stored
@@ -1718,7 +1721,7 @@ class TieredCache:
     def stats(self) -> CacheStats:
         """A snapshot of the counters; still answers after :meth:`close` (the final figures)."""
         self.core._check_process()
-        if self._closed:
+        if self._closed or threading.get_ident() == self._thread.ident:  # (the loop's own thread: no hop)
             return self.core.stats()
         return self._call(self._snapshot())
 
@@ -1739,6 +1742,7 @@ class TieredCache:
         if self.core._forked:
             self._closed = True
             return
+        self._not_on_loop("close")
         with self._state:
             if self._closed:
                 return
@@ -1814,7 +1818,19 @@ class TieredCache:
         with self._state:
             self._pending.discard(future)
 
+    def _not_on_loop(self, call: str) -> None:
+        """Refuse a blocking call on the loop's own thread, where it would wait on itself forever."""
+        if threading.get_ident() == self._thread.ident:
+            raise CalledOnLoopThread(
+                f"TieredCache.{call}() was called on kvtier's loop thread (from a done-callback of a "
+                f"submit_load/submit_store future, or from a watcher), where it would wait for itself "
+                f"forever; call it from another thread, or use submit_load/submit_store there")
+
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.get_ident() == self._thread.ident:
+            name = getattr(coro, "__qualname__", "call").rpartition(".")[2]
+            coro.close()
+            self._not_on_loop(name)
         try:
             return self._submit(coro).result()
         except concurrent.futures.CancelledError:

@@ -36,3 +36,8 @@ class CacheClosed(KVTierError, RuntimeError):
 class CacheForked(CacheClosed):
     """The cache was made in another process, and this one is its forked child: the cache's loop and
     I/O threads did not survive the fork, so every call here raises this (make a new cache in the child)."""
+
+
+class CalledOnLoopThread(KVTierError, RuntimeError):
+    """A blocking call of :class:`~kvtier.TieredCache` ran on the cache's own loop thread (in a done-callback
+    of a ``submit_load``/``submit_store`` future, say), where it would wait on itself forever."""
