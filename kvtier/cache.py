@@ -1557,8 +1557,10 @@ def _after_fork() -> None:
     """In a forked child: every inherited cache refuses its calls (:class:`CacheForked`), and exit and
     SIGTERM close none of them (closing would wait on the parent's threads, and persisting would write
     the parent's blocks from a copy of them)."""
+    global _sigterm_closer
     for core in list(_LIVE_CORES):
         core._forked = True
+    _sigterm_closer = None  # (a SIGTERM close under way in the parent is the parent's)
     _OPEN_CACHES.clear()
     _CLOSING.clear()
 
@@ -1585,10 +1587,66 @@ def _close_open_caches() -> None:
             closing.result(timeout=INFLIGHT_GRACE_SECONDS * 2 + 60)
 
 
+#: set once a SIGTERM's deferred close has finished: the SIGTERM it then sends itself exits the process
+_sigterm_closed = threading.Event()
+_sigterm_closer: threading.Thread | None = None
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
-    """Close (and so persist) every open cache, then do what SIGTERM did before kvtier hooked it."""
+    """Close (and so persist) every open cache, then do what SIGTERM did before kvtier hooked it.
+
+    The handler runs on the main thread, between two of its bytecodes. Where that thread was inside
+    kvtier (a load on the caller's thread, say), it may hold the index lock that closing needs, or be
+    halfway through a copy that closing waits for: closing there would wait on itself (measured: 7 of
+    20 SIGTERMs during a loop of loads took 70 s and persisted nothing). Then the caches close on a
+    thread of their own while the main thread finishes its call (later calls raise :class:`CacheClosed`),
+    and that thread sends SIGTERM again when done, which this handler passes on.
+    """
+    global _sigterm_closer
+    if _sigterm_closed.is_set():
+        _after_sigterm(signum, frame)
+        return
+    if _sigterm_closer is not None:
+        return  # closing already (a second SIGTERM): the closer re-sends it when done
     log.warning("SIGTERM: closing %d open kvtier caches (persist_on_close) before exiting", len(_OPEN_CACHES))
-    _close_open_caches()
+    if not _inside_kvtier(frame):
+        _close_open_caches()
+        _after_sigterm(signum, frame)
+        return
+    _sigterm_closer = threading.Thread(target=_close_then_signal, name="kvtier-sigterm-close", daemon=True)
+    _sigterm_closer.start()
+
+
+def _wait_for_sigterm_close() -> None:
+    """Before a call on a closed cache raises :class:`CacheClosed`: on the main thread while a SIGTERM's
+    deferred close runs, wait for that close to end. The SIGTERM it then sends ends the process there,
+    as SIGTERM did before kvtier hooked it, instead of the application dying of the error first. Never
+    called with a cache's lock held."""
+    if (_sigterm_closer is not None and not _sigterm_closed.is_set()
+            and threading.current_thread() is threading.main_thread()):
+        _sigterm_closed.wait()  # (the signal's handler runs during the wait)
+
+
+def _inside_kvtier(frame: Any) -> bool:
+    """Whether the interrupted thread is running kvtier's code (only there can it hold a cache's lock)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _close_then_signal() -> None:
+    try:
+        _close_open_caches()
+    finally:
+        _sigterm_closed.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _after_sigterm(signum: int, frame: Any) -> None:
+    """What SIGTERM did before kvtier hooked it: the application's handler, or the default (exit)."""
     if callable(_previous_sigterm):
         _previous_sigterm(signum, frame)
         return
@@ -1699,7 +1757,11 @@ class TieredCache:
 
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
         """See :meth:`AsyncTieredCache.lease` (thread-safe; runs on the caller's thread)."""
-        return self.core.lease(keys, tiers)
+        try:
+            return self.core.lease(keys, tiers)
+        except CacheClosed:
+            _wait_for_sigterm_close()
+            raise
 
     def release(self, keys: Sequence[BlockKey], where: Sequence[int | None]) -> None:
         """See :meth:`AsyncTieredCache.release`."""
@@ -1708,7 +1770,11 @@ class TieredCache:
     def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *,
                     touch: bool = True) -> None:
         """See :meth:`AsyncTieredCache.read_leased` (runs on the caller's thread)."""
-        self.core.read_leased(keys, where, out, touch=touch)
+        try:
+            self.core.read_leased(keys, where, out, touch=touch)
+        except CacheClosed:
+            _wait_for_sigterm_close()
+            raise
 
     def clear(self, tiers: Iterable[int]) -> list[BlockKey]:
         """See :meth:`AsyncTieredCache.clear`."""
@@ -1716,7 +1782,11 @@ class TieredCache:
 
     def add_watcher(self, watcher: ResidencyWatcher) -> None:
         """See :meth:`AsyncTieredCache.add_watcher`."""
-        self.core.add_watcher(watcher)
+        try:
+            self.core.add_watcher(watcher)
+        except CacheClosed:
+            _wait_for_sigterm_close()
+            raise
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters; still answers after :meth:`close` (the final figures)."""
@@ -1778,11 +1848,14 @@ class TieredCache:
             coro.close()
             self.core._check_process()
         with self._state:
-            if self._closed:
-                coro.close()
-                raise CacheClosed("TieredCache is closed")
-            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-            self._pending.add(future)
+            closed = self._closed
+            if not closed:
+                future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+                self._pending.add(future)
+        if closed:  # raised outside the lock, which close() takes (the wait below may last)
+            coro.close()
+            _wait_for_sigterm_close()
+            raise CacheClosed("TieredCache is closed")
         future.add_done_callback(self._settled)
         return future
 
@@ -1792,11 +1865,17 @@ class TieredCache:
         after it must not overtake it)."""
         self.core._check_process()
         with self._state:
-            if self._closed:
-                raise CacheClosed("TieredCache is closed")
-            if self._pending:
-                return None
-        return call(*args)
+            closed, pending = self._closed, bool(self._pending)
+        if closed:  # raised outside the lock, as in _submit
+            _wait_for_sigterm_close()
+            raise CacheClosed("TieredCache is closed")
+        if pending:
+            return None
+        try:
+            return call(*args)
+        except CacheClosed:  # the core's (closed meanwhile), raised with its lock released
+            _wait_for_sigterm_close()
+            raise
 
     def _submit_now(self, call: Callable[..., T | None], *args: Any) -> concurrent.futures.Future[T] | None:
         """:meth:`_now` as a future that is already done (with the call's exception, as a submitted call's
@@ -1834,6 +1913,7 @@ class TieredCache:
         try:
             return self._submit(coro).result()
         except concurrent.futures.CancelledError:
+            _wait_for_sigterm_close()
             raise CacheClosed("TieredCache was closed while this call was in flight") from None
 
 

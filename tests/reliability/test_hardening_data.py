@@ -689,6 +689,57 @@ def test_sigterm_persists_memory_blocks_before_exiting(tmp_path: Path, handler: 
         assert cache.load(keys, out) == 12 and _same_bytes(out, blocks_for(keys))
 
 
+SIGTERM_BUSY_CHILD = textwrap.dedent("""
+    import json, signal, sys
+    import torch
+    from kvtier import TieredCache
+    from tests.reliability.conftest import blocks_for, universe
+
+    if sys.argv[2] == "app_handler":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
+    cache = TieredCache.from_config(json.loads(sys.argv[1]))
+    keys = universe(12, tag="busy")
+    assert cache.store(keys, blocks_for(keys)) == 12
+    out = torch.empty_like(blocks_for(keys))
+    print("stored", flush=True)
+    while True:  # the main thread inside the cache most of the time: loads and leases from the CPU tier
+        cache.load(keys[:4], out[:4])
+        cache.release(keys[:2], cache.lease(keys[:2]))
+""")
+
+
+@pytest.mark.parametrize(("handler", "runs"), [("default", 6), ("app_handler", 3)])
+def test_sigterm_while_the_main_thread_is_inside_the_cache(tmp_path: Path, handler: str, runs: int) -> None:
+    """SIGTERM's handler runs on the main thread; closing there while that thread held the index lock
+    (a load on the caller's thread) waited on itself: 7 of 20 such SIGTERMs took 70 s and persisted
+    nothing, 6 more took 10 s. Each run here must exit at once, as SIGTERM did, with every block kept."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    rng = random.Random(7)
+    for run in range(runs):
+        cfg = cache_config(file_dir=tmp_path / f"files{run}", cpu_blocks=16, file_blocks=32)
+        child = subprocess.Popen([sys.executable, "-c", SIGTERM_BUSY_CHILD, json.dumps(cfg), handler],
+                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "stored"
+            time.sleep(rng.uniform(0.05, 0.4))
+            sent = time.monotonic()
+            child.send_signal(signal.SIGTERM)
+            _, err = child.communicate(timeout=30)
+            took = time.monotonic() - sent
+        finally:
+            if child.poll() is None:
+                child.kill()
+        assert child.returncode == (-signal.SIGTERM if handler == "default" else 3), (run, err[-3000:])
+        assert took < 8, (run, took)  # the close itself takes milliseconds; the grace period is 10 s
+        keys = universe(12, tag="busy")
+        with TieredCache.from_config(cfg) as cache:
+            assert cache.lookup(keys) == 12, run
+            out = torch.empty_like(blocks_for(keys))
+            assert cache.load(keys, out) == 12 and _same_bytes(out, blocks_for(keys))
+
+
 def test_persist_on_close_false_keeps_the_old_behaviour(tmp_path: Path) -> None:
     cfg = cache_config(file_dir=tmp_path / "files", cpu_blocks=16, file_blocks=32)
     cfg["placement"]["persist_on_close"] = False
