@@ -137,7 +137,7 @@ class AsyncTieredCache:
                             loaded_blocks=0, stored_blocks=0)
         self._started = False
         self._closed = False
-        #: the process that made the cache; set to the child's pid in a forked child (see _after_fork)
+        #: the process that made the cache; ``_forked`` turns True in a forked child (see _after_fork)
         self._pid = os.getpid()
         self._forked = False
         _LIVE_CORES.add(self)
@@ -1600,8 +1600,9 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     kvtier (a load on the caller's thread, say), it may hold the index lock that closing needs, or be
     halfway through a copy that closing waits for: closing there would wait on itself (measured: 7 of
     20 SIGTERMs during a loop of loads took 70 s and persisted nothing). Then the caches close on a
-    thread of their own while the main thread finishes its call (later calls raise :class:`CacheClosed`),
-    and that thread sends SIGTERM again when done, which this handler passes on.
+    thread of their own while the main thread finishes its call (a later call there waits for the close:
+    :func:`_wait_for_sigterm_close`), and that thread sends SIGTERM again when done, which this handler
+    passes on.
     """
     global _sigterm_closer
     if _sigterm_closed.is_set():
