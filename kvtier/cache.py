@@ -88,7 +88,6 @@ def _operation(method: Callable[Concatenate[AsyncTieredCache, P], Awaitable[T]]
     async def tracked(self: AsyncTieredCache, *args: P.args, **kwargs: P.kwargs) -> T:
         task = asyncio.current_task()
         ops = self._operations
-        self._check_process()  # before the lock: a forked child may have inherited it held
         with self._index_lock:  # execute_now reads it under the lock: it never runs beside a call on the loop
             self._check_open()
             ops[task] = ops.get(task, 0) + 1
@@ -324,8 +323,8 @@ class AsyncTieredCache:
 
     def _check_process(self) -> None:
         """Refuse every call in a forked child: the loop and the tiers' I/O and copy threads stayed in
-        the parent, so a call would wait for them forever (and a lock a parent's thread held at the fork
-        stays held)."""
+        the parent, so a call would wait for them forever (the index lock is a new one there, see
+        _after_fork, so the check under it is reached)."""
         if self._forked:
             raise CacheForked(f"this cache was made in process {self._pid} and this is its forked child "
                               f"{os.getpid()}: its loop and I/O threads did not survive the fork; make a "
@@ -461,7 +460,6 @@ class AsyncTieredCache:
         self._check_keys(keys)
         if hints is None:
             hints = [InsertHint(position=i) for i in range(len(keys))]
-        self._check_process()
         with self._index_lock:
             self._check_open()
             plan = self.residency.plan_store(keys, hints)
@@ -553,7 +551,6 @@ class AsyncTieredCache:
         buffers = self._byte_blocks(keys, blocks, "blocks")
         batch = _cpu_rows(buffers)
         hints = _chain_hints(keys, hints, predecessors)
-        self._check_process()
         with self._index_lock:
             self._check_open()
             if not self._runs_inline():
@@ -577,7 +574,6 @@ class AsyncTieredCache:
         buffers = self._byte_blocks(keys, out, "out")
         batch = _cpu_rows(buffers)
         index = self.residency.tiers[0]
-        self._check_process()
         with self._index_lock:
             self._check_open()
             if list(map(index.entries.get, keys)).count(READY) != len(keys):
@@ -597,7 +593,6 @@ class AsyncTieredCache:
                         rows: Sequence[torch.Tensor | None] | torch.Tensor | None, batch: torch.Tensor | None,
                         fill: BlockFill | None) -> int | None:
         """:meth:`execute_now` (``rows``, or their checked ``batch``) or :meth:`execute_with` (``fill``)."""
-        self._check_process()
         with self._index_lock:
             self._check_open()
             if not self._runs_inline():
@@ -811,7 +806,6 @@ class AsyncTieredCache:
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark each key recently used in the top-most tier holding it READY (thread-safe, no I/O)."""
         tiers = [(index.entries, index.policies) for index in self.residency.tiers]
-        self._check_process()
         with self._index_lock:
             self._check_open()
             for key in keys:
@@ -825,10 +819,8 @@ class AsyncTieredCache:
         readable (or are forgotten when ``ok`` is False). For a scheduler whose workers, in other
         processes, ran the plan on their own tiers (:meth:`execute` there). Like :meth:`release`, a no-op
         once closed (an engine's shutdown path may still settle), and in a forked child."""
-        if self._forked:
-            return
         with self._index_lock:
-            if self._closed:
+            if self._closed or self._forked:
                 return
             changed: list[BlockKey] = []
             for t in reversed(range(len(self.tiers))):
@@ -894,7 +886,6 @@ class AsyncTieredCache:
                       if not self.tiers[t].self_evicting]
         where: list[int | None] = []
         append = where.append
-        self._check_process()
         with self._index_lock:
             self._check_open()
             for key in keys:
@@ -914,10 +905,8 @@ class AsyncTieredCache:
         The one call that does not raise :class:`CacheClosed` after close (or in a forked child): it has
         nothing left to do."""
         indexes = self.residency.tiers
-        if self._forked:
-            return
         with self._index_lock:
-            if self._closed:
+            if self._closed or self._forked:
                 return  # pins die with the cache: an engine's shutdown path may still release them
             for key, t in zip(keys, where, strict=True):
                 if t is not None:
@@ -947,7 +936,6 @@ class AsyncTieredCache:
         buffers = None if batch is not None else self._byte_blocks(keys, out, "out")
         by_tier: dict[int, list[int]] = {}
         indexes, tiers = self.residency.tiers, self.tiers
-        self._check_process()
         with self._index_lock:
             self._check_open()
             first = where[0] if len(where) == len(keys) and keys else None
@@ -991,7 +979,6 @@ class AsyncTieredCache:
         if type(tier) is not CpuTier or where.count(first) != len(where) or not all_of_group(keys, group_id):
             return False
         index = self.residency.tiers[first]
-        self._check_process()
         with self._index_lock:
             self._check_open()
             pins, entries = index.pins, index.entries
@@ -1086,7 +1073,6 @@ class AsyncTieredCache:
 
     def add_watcher(self, watcher: ResidencyWatcher) -> None:
         """Tell ``watcher`` of index changes from now on, after reporting every indexed key to it once."""
-        self._check_process()
         with self._index_lock:
             self._check_open()
             self._watchers.append(watcher)
@@ -1560,6 +1546,7 @@ def _after_fork() -> None:
     global _sigterm_closer
     for core in list(_LIVE_CORES):
         core._forked = True
+        core._index_lock = threading.Lock()  # a parent's thread may have held it at the fork, for good
     _sigterm_closer = None  # (a SIGTERM close under way in the parent is the parent's)
     _OPEN_CACHES.clear()
     _CLOSING.clear()
@@ -1758,11 +1745,7 @@ class TieredCache:
 
     def lease(self, keys: Sequence[BlockKey], tiers: Iterable[int] | None = None) -> list[int | None]:
         """See :meth:`AsyncTieredCache.lease` (thread-safe; runs on the caller's thread)."""
-        try:
-            return self.core.lease(keys, tiers)
-        except CacheClosed:
-            _wait_for_sigterm_close()
-            raise
+        return self._direct(self.core.lease, keys, tiers)
 
     def release(self, keys: Sequence[BlockKey], where: Sequence[int | None]) -> None:
         """See :meth:`AsyncTieredCache.release`."""
@@ -1771,11 +1754,7 @@ class TieredCache:
     def read_leased(self, keys: Sequence[BlockKey], where: Sequence[int], out: Blocks, *,
                     touch: bool = True) -> None:
         """See :meth:`AsyncTieredCache.read_leased` (runs on the caller's thread)."""
-        try:
-            self.core.read_leased(keys, where, out, touch=touch)
-        except CacheClosed:
-            _wait_for_sigterm_close()
-            raise
+        self._direct(functools.partial(self.core.read_leased, touch=touch), keys, where, out)
 
     def clear(self, tiers: Iterable[int]) -> list[BlockKey]:
         """See :meth:`AsyncTieredCache.clear`."""
@@ -1783,11 +1762,7 @@ class TieredCache:
 
     def add_watcher(self, watcher: ResidencyWatcher) -> None:
         """See :meth:`AsyncTieredCache.add_watcher`."""
-        try:
-            self.core.add_watcher(watcher)
-        except CacheClosed:
-            _wait_for_sigterm_close()
-            raise
+        self._direct(self.core.add_watcher, watcher)
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters; still answers after :meth:`close` (the final figures)."""
@@ -1870,11 +1845,15 @@ class TieredCache:
         if closed:  # raised outside the lock, as in _submit
             _wait_for_sigterm_close()
             raise CacheClosed("TieredCache is closed")
-        if pending:
-            return None
+        return None if pending else self._direct(call, *args)
+
+    @staticmethod
+    def _direct(call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)``, a core method run on the caller's thread; its :class:`CacheClosed` (the cache
+        closed meanwhile) is raised after :func:`_wait_for_sigterm_close`, with the core's lock released."""
         try:
             return call(*args)
-        except CacheClosed:  # the core's (closed meanwhile), raised with its lock released
+        except CacheClosed:
             _wait_for_sigterm_close()
             raise
 
@@ -1898,19 +1877,19 @@ class TieredCache:
         with self._state:
             self._pending.discard(future)
 
-    def _not_on_loop(self, call: str) -> None:
-        """Refuse a blocking call on the loop's own thread, where it would wait on itself forever."""
+    def _not_on_loop(self, call: str, coro: Coroutine[Any, Any, Any] | None = None) -> None:
+        """Refuse a blocking call on the loop's own thread, where it would wait on itself forever (closing
+        ``coro``, the call it would have waited for)."""
         if threading.get_ident() == self._thread.ident:
+            if coro is not None:
+                coro.close()
             raise CalledOnLoopThread(
                 f"TieredCache.{call}() was called on kvtier's loop thread (from a done-callback of a "
                 f"submit_load/submit_store future, or from a watcher), where it would wait for itself "
                 f"forever; call it from another thread, or use submit_load/submit_store there")
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        if threading.get_ident() == self._thread.ident:
-            name = getattr(coro, "__qualname__", "call").rpartition(".")[2]
-            coro.close()
-            self._not_on_loop(name)
+        self._not_on_loop(getattr(coro, "__qualname__", "call").rpartition(".")[2], coro)
         try:
             return self._submit(coro).result()
         except concurrent.futures.CancelledError:
