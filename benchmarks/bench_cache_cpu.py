@@ -1,5 +1,5 @@
 """TieredCache over one full CPU tier vs ``np.copyto``, driven the way the peer harness's
-``kvtier_cache_cpu`` row drives it, with the tier's default ``copy_threads`` and with 1.
+``kvtier_cache_cpu`` row drives it, with the tier's default ``copy_threads`` and with 1, and with ``streaming_stores: false`` (memcpy into the slab).
 
 Not a test: it prints one table per block size, the ``np.copyto`` baseline measured in the same run,
 interleaved with the cache, for both wall-clock and CPU time (``time.process_time``, all threads:
@@ -55,6 +55,8 @@ def bench(block_kib: int, mib: int, batch: int, repeat: int) -> None:
                         "dtype": "float16"},
               "hash_block_size": 16, "tiers": [{"type": "cpu", "capacity": n * size, "pinned": False}]}
     serial = {**config, "tiers": [{"type": "cpu", "capacity": n * size, "pinned": False, "copy_threads": 1}]}
+    memcpy = {**config, "tiers": [{"type": "cpu", "capacity": n * size, "pinned": False,
+                                   "streaming_stores": False}]}
     payload = torch.empty(n * size, dtype=torch.uint8).random_(0, 256)
     flat = payload.numpy().reshape(n, size)
     slab = aligned_empty(n * size).numpy().reshape(n, size)  # as the tier's slab
@@ -85,9 +87,11 @@ def bench(block_kib: int, mib: int, batch: int, repeat: int) -> None:
     copy_out()
     rows: dict[tuple[str, str], list[tuple[float, float]]] = {
         (op, what): [] for op in ("store", "load")
-        for what in ("cache", "cache, copy_threads 1", "np.copyto", "np.copyto, 2 threads")}
+        for what in ("cache", "cache, copy_threads 1", "cache, streaming_stores false", "np.copyto",
+                     "np.copyto, 2 threads")}
     for _ in range(repeat):
-        for name, cfg in (("cache", config), ("cache, copy_threads 1", serial)):
+        for name, cfg in (("cache", config), ("cache, copy_threads 1", serial),
+                          ("cache, streaming_stores false", memcpy)):
             cache = TieredCache.from_config(cfg)
             shape = cache.spec.groups[0].layout.shape
             src = payload.view(torch.float16).view(n, *shape)

@@ -127,6 +127,11 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
             where = "pinned host memory" if t.pinned is not False and cuda else "host memory"
             if t.pinned is True and not cuda:
                 where += " (pinned: true, but no CUDA here)"
+            if t.streaming_stores:  # builds the helper if this machine has not yet (once, ~0.1 s)
+                from kvtier.kernels import host
+
+                where += (", streaming stores" if host.available()
+                          else f", memcpy stores (no streaming: {host.unavailable_reason})")
         tiers.add_row(str(i), name, t.type, _gib(t.capacity), blocks, t.eviction, t.admission, escape(where))
     out.append(tiers)
     p = cfg.placement

@@ -140,6 +140,8 @@ class CpuTierConfig(TierBase):
     pinned: bool | Literal["auto"] = "auto"
     #: threads a copy of a MiB or more is split over; ``auto``: two where two CPUs are usable
     copy_threads: int | Literal["auto"] = "auto"
+    #: copies into the slab with streaming (non-temporal) stores where the run-time-built helper loads
+    streaming_stores: bool = True
 
     @field_validator("copy_threads", mode="before")
     @classmethod
@@ -601,7 +603,8 @@ def _build_tier(tc: Any, name: str, layouts: dict[int, BlockLayout], spec: KVCac
         try:
             return CpuTier(name, layouts, split_capacity(tc.capacity, spec),
                            pinned=None if tc.pinned == "auto" else tc.pinned,
-                           copy_threads=None if tc.copy_threads == "auto" else tc.copy_threads)
+                           copy_threads=None if tc.copy_threads == "auto" else tc.copy_threads,
+                           streaming_stores=tc.streaming_stores)
         except OSError as exc:  # the host cannot map that much memory
             raise KVTierConfigError(f"{path}.capacity", f"cannot reserve {tc.capacity} bytes of host memory: "
                                                         f"{exc.strerror or exc}") from None

@@ -93,11 +93,14 @@ class CpuTier(Tier):
     addressable: ClassVar[bool] = True
 
     def __init__(self, name: str, layouts: Mapping[int, BlockLayout], capacity_bytes: Mapping[int, int], *,
-                 pinned: bool | None = None, copy_threads: int | None = None) -> None:
+                 pinned: bool | None = None, copy_threads: int | None = None,
+                 streaming_stores: bool = True) -> None:
         super().__init__(name, layouts, capacity_bytes)
-        #: copies a batch of a MiB or more on ``copy_threads`` threads (default: two, CPUs allowing)
+        #: copies a batch of a MiB or more on ``copy_threads`` threads (default: two, CPUs allowing);
+        #: ``streaming_stores``: into the slab with non-temporal stores where the helper builds
+        #: (:mod:`kvtier.kernels.host`): a stored block is not read again soon, so it skips the caches
         self.copier = RowCopier(default_copy_threads() if copy_threads is None else copy_threads,
-                                name=f"kvtier-cpu-{name}-copy")
+                                name=f"kvtier-cpu-{name}-copy", streaming=streaming_stores)
         pin = torch.cuda.is_available() if pinned is None else pinned
         if pin and not torch.cuda.is_available():
             log.info("CPU tier %r: pinned memory asked for but CUDA is unavailable; using plain memory", name)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvtier.hostinfo import usable_cpus
+from kvtier.kernels import host
 from kvtier.tiers.buffers import as_rows, strided_rows
 
 #: batches smaller than this are copied on the caller's thread alone
@@ -35,13 +36,19 @@ def default_copy_threads() -> int:
 
 class RowCopier:
     """Copies rows between ``[n, nbytes]`` arrays and slab rows, on up to ``threads`` threads (the
-    caller's and ``threads - 1`` of its own, started on first use, named ``<name>-<i>``)."""
+    caller's and ``threads - 1`` of its own, started on first use, named ``<name>-<i>``).
+
+    ``streaming``: copies into the slab use streaming stores (:mod:`kvtier.kernels.host`) where the
+    helper is available; copies out of it always go through the caches, as the caller reads them next.
+    """
 
     def __init__(self, threads: int = 1, *, name: str = "kvtier-copy",
-                 min_bytes: int = MIN_SPLIT_BYTES) -> None:
+                 min_bytes: int = MIN_SPLIT_BYTES, streaming: bool = False) -> None:
         if threads < 1:
             raise ValueError(f"copy threads must be at least 1, got {threads}")
         self.threads = threads
+        #: whether copies into the slab stream (False where asked for but the helper is unavailable)
+        self.streaming = streaming and host.available()
         self.min_bytes = min_bytes
         self._name = name
         self._pool: ThreadPoolExecutor | None = None
@@ -59,16 +66,19 @@ class RowCopier:
         """Copy between ``[n, nbytes]`` ``rows_np`` and the slab rows ``slots`` (row i ↔ ``slots[i]``)."""
         n = len(slots)
         parts = self._parts(n, rows_np.nbytes)
+        stream = into_slab and self.streaming
         if parts == 1:
-            _copy_batch(rows_np, slab_np, slots, into_slab=into_slab)
+            _copy_batch(rows_np, slab_np, slots, into_slab=into_slab, stream=stream)
             return
         if n >= parts:  # whole rows per part
             cuts = [n * p // parts for p in range(parts + 1)]
-            self._run([partial(_copy_batch, rows_np[a:z], slab_np, slots[a:z], into_slab=into_slab)
+            self._run([partial(_copy_batch, rows_np[a:z], slab_np, slots[a:z], into_slab=into_slab,
+                               stream=stream)
                        for a, z in zip(cuts, cuts[1:], strict=False)])
         else:  # fewer rows than threads: every part copies a band of columns of every row
             cols = _column_cuts(rows_np.shape[1], parts)
-            self._run([partial(_copy_batch, rows_np[:, a:z], slab_np[:, a:z], slots, into_slab=into_slab)
+            self._run([partial(_copy_batch, rows_np[:, a:z], slab_np[:, a:z], slots, into_slab=into_slab,
+                               stream=stream)
                        for a, z in zip(cols, cols[1:], strict=False)])
 
     def rows(self, buffers: Sequence[torch.Tensor], slab: torch.Tensor, slots: list[int], *,
@@ -97,11 +107,12 @@ class RowCopier:
                  for buf, slot in zip(buffers, slots, strict=True)]
         n = len(pairs)
         parts = self._parts(n, sum(buf.numel() for buf in buffers))
+        stream = into_slab and self.streaming
         if parts == 1 or n < parts:
-            _copy_pairs(pairs)
+            _copy_pairs(pairs, stream)
             return
         cuts = [n * p // parts for p in range(parts + 1)]
-        self._run([partial(_copy_pairs, pairs[a:z]) for a, z in zip(cuts, cuts[1:], strict=False)])
+        self._run([partial(_copy_pairs, pairs[a:z], stream) for a, z in zip(cuts, cuts[1:], strict=False)])
 
     # --- running the parts -----------------------------------------------------------------------------
     def _parts(self, rows: int, nbytes: int) -> int:
@@ -140,26 +151,31 @@ def _column_cuts(nbytes: int, parts: int) -> list[int]:
     return sorted(set(cuts))
 
 
-def _copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+def _copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], stream: bool = False) -> None:
     for dst, src in pairs:
-        np.copyto(dst, src)
+        if not (stream and host.stream_copy(dst[None], src[None])):
+            np.copyto(dst, src)
 
 
-def _copy_batch(rows_np: np.ndarray, slab_np: np.ndarray, slots: list[int], *, into_slab: bool) -> None:
+def _copy_batch(rows_np: np.ndarray, slab_np: np.ndarray, slots: list[int], *, into_slab: bool,
+                stream: bool = False) -> None:
     """Copy between ``[n, nbytes]`` rows and the slab rows ``slots`` on this thread: one call when the
     slots step evenly; into the slab otherwise one fancy-indexed assignment; out of it one
     ``np.copyto`` per block (measured: ``np.take(..., out=)`` runs at a third of the speed of row
-    copies, and ``torch`` row copies split 2 MiB across threads for no gain)."""
+    copies, and ``torch`` row copies split 2 MiB across threads for no gain). ``stream``: copies into
+    the slab with streaming stores where the helper takes them (one call either way)."""
     if not slots:
         return
     run = strided_rows(slab_np, slots)
     if run is not None:
         if into_slab:
-            np.copyto(run, rows_np)
+            if not (stream and host.stream_copy(run, rows_np)):
+                np.copyto(run, rows_np)
         else:
             np.copyto(rows_np, run)
     elif into_slab:
-        slab_np[np.asarray(slots)] = rows_np
+        if not (stream and host.stream_scatter(slab_np, slots, rows_np)):
+            slab_np[np.asarray(slots)] = rows_np
     else:
         for row, slot in zip(rows_np, slots, strict=True):
             np.copyto(row, slab_np[slot])

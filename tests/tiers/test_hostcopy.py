@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.kernels import host
 from kvtier.layout import BlockLayout
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.hostcopy import RowCopier, default_copy_threads
@@ -25,12 +26,13 @@ def copier_threads(name: str) -> list[str]:
 
 @given(threads=st.integers(1, 3), width=st.integers(1, 3 * 4096 + 5),
        slots=st.lists(st.integers(0, SLAB_ROWS - 1), min_size=1, max_size=SLAB_ROWS, unique=True),
-       into_slab=st.booleans(), separate=st.booleans())
-@settings(max_examples=80, deadline=None)
+       into_slab=st.booleans(), separate=st.booleans(), streaming=st.booleans())
+@settings(max_examples=120, deadline=None)
 def test_split_copies_equal_a_plain_copy(threads: int, width: int, slots: list[int], into_slab: bool,
-                                         separate: bool) -> None:
+                                         separate: bool, streaming: bool) -> None:
     """Every batch shape (runs of slots or scattered ones, fewer rows than threads, widths that do not
-    divide evenly), both directions, rows of one array or separate buffers."""
+    divide evenly), both directions, rows of one array or separate buffers, with streaming stores
+    into the slab or without."""
     rng = np.random.default_rng(len(slots) * 7919 + width)
     slab = torch.from_numpy(rng.integers(0, 256, (SLAB_ROWS, width), dtype=np.uint8))
     rows = torch.from_numpy(rng.integers(0, 256, (len(slots), width), dtype=np.uint8))
@@ -40,7 +42,7 @@ def test_split_copies_equal_a_plain_copy(threads: int, width: int, slots: list[i
             want_slab[slot] = rows[i]
         else:
             want_rows[i] = slab[slot]
-    copier = RowCopier(threads, name="test-copy", min_bytes=0)
+    copier = RowCopier(threads, name="test-copy", min_bytes=0, streaming=streaming)
     try:
         if separate:  # one buffer per row, not consecutive rows of one tensor
             buffers = [rows[i].clone() for i in range(len(slots))]
@@ -91,14 +93,17 @@ def test_zero_copy_threads_is_refused() -> None:
     assert 1 <= default_copy_threads() <= 2
 
 
+@pytest.mark.parametrize("streaming", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_cpu_tier_round_trips_megabyte_batches_on_its_copy_threads(threads: int) -> None:
+def test_cpu_tier_round_trips_megabyte_batches_on_its_copy_threads(threads: int, streaming: bool) -> None:
     """Batches over the split threshold, into scattered slots (freed by deletes) and back out, as rows
-    of one tensor and as separate buffers: bit-exact either way."""
+    of one tensor and as separate buffers: bit-exact either way, with streaming stores or memcpy."""
     layout = BlockLayout(num_layers=8, num_kv_heads=4, head_dim=128, block_size=16)  # 256 KiB blocks
     n = 8
-    tier = CpuTier("big", {0: layout}, {0: 2 * n * layout.nbytes}, pinned=False, copy_threads=threads)
+    tier = CpuTier("big", {0: layout}, {0: 2 * n * layout.nbytes}, pinned=False, copy_threads=threads,
+                   streaming_stores=streaming)
     assert tier.copier.threads == threads
+    assert tier.copier.streaming == (streaming and host.available())
     try:
         old, new = make_keys(2 * n), make_keys(n, start=2 * n)
         data = random_blocks(2 * n, layout, seed=3).view(torch.uint8).reshape(2 * n, -1)
