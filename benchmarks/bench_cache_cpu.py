@@ -1,5 +1,6 @@
 """TieredCache over one full CPU tier vs ``np.copyto``, driven the way the peer harness's
-``kvtier_cache_cpu`` row drives it, with the tier's default ``copy_threads`` and with 1, and with ``streaming_stores: false`` (memcpy into the slab).
+``kvtier_cache_cpu`` row drives it, with the tier's defaults, with ``copy_threads: 1`` and with
+``streaming_stores: false`` (memcpy into the slab).
 
 Not a test: it prints one table per block size, the ``np.copyto`` baseline measured in the same run,
 interleaved with the cache, for both wall-clock and CPU time (``time.process_time``, all threads:
