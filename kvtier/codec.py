@@ -35,6 +35,8 @@ _FIXED = struct.Struct("<4sHHQIHHQQQ")
 #: reserved space.
 HEADER_SIZE = 128
 _CHECKSUM_OFFSET = _FIXED.size - 8
+#: where a header's little-endian xxh3-64 checksum sits (native readers compare around it)
+CHECKSUM_OFFSET = _CHECKSUM_OFFSET
 _NAMESPACE = struct.Struct("<Q")
 _NAMESPACE_OFFSET = _FIXED.size + MAX_HASH_BYTES
 

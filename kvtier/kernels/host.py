@@ -1,11 +1,12 @@
-"""Host-side kernels: row copies with streaming stores, built at run time with the system C compiler.
+"""Host-side kernels, built at run time with the system C compiler: streaming-store row copies
+(``streamcopy.c``) and a file tier's warm reads a batch per call (``fileread.c``).
 
-``streamcopy.c`` (beside this file) is compiled once per source and machine into the user's cache
-(``$KVTIER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``) and loaded
-with ctypes, which releases the GIL for each call; Triton builds its launchers the same way. Where
-there is no compiler, the build fails or ``KVTIER_NATIVE=0`` is set, :func:`stream_copy` and
-:func:`stream_scatter` answer ``False`` and the caller copies with numpy: the helper makes copies
-faster, never different (docs/architecture.md#kernels).
+The sources beside this file are compiled once per source and machine into one library in the
+user's cache (``$KVTIER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``) and
+loaded with ctypes, which releases the GIL for each call; Triton builds its launchers the same way.
+Where there is no compiler, the build fails or ``KVTIER_NATIVE=0`` is set, :func:`stream_copy`,
+:func:`stream_scatter` and :func:`read_warm` answer ``False``/``None`` and the caller does the work
+in Python: the helpers make things faster, never different (docs/architecture.md#kernels).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("streamcopy.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("streamcopy.c", "fileread.c"))
 #: the compiler's flags: no -march, so a cache shared by different machines of one architecture works
 CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_streaming = False  # the library's copies use streaming stores (x86-64)
 _tried = False
 #: why the helper is not in use (None while it is, or before the first try)
 unavailable_reason: str | None = None
@@ -52,24 +54,24 @@ def compiler() -> str | None:
 
 
 def build(cc: str, out_dir: Path) -> Path:
-    """Compile ``streamcopy.c`` with ``cc`` into ``out_dir`` (unless built already) and return the library.
+    """Compile the sources with ``cc`` into one library in ``out_dir`` (unless built already); return it.
 
-    The name carries a hash of the source, compiler, flags and machine; the library is written under
+    The name carries a hash of the sources, compiler, flags and machine; the library is written under
     a temporary name and renamed, so processes building at once never load a half-written file.
     Raises :class:`OSError` or :class:`subprocess.CalledProcessError` (with the compiler's output).
     """
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(CFLAGS).encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
-    target = out_dir / f"streamcopy-{tag}.so"
+    parts = [*(path.read_bytes() for path in SOURCES), cc.encode(), " ".join(CFLAGS).encode(),
+             platform.machine().encode()]
+    tag = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    target = out_dir / f"kvtier-host-{tag}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".streamcopy-", suffix=".so", dir=out_dir)
+    fd, tmp = tempfile.mkstemp(prefix=".kvtier-host-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True,
-                       timeout=120)
+        subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True,
+                       text=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -79,7 +81,7 @@ def build(cc: str, out_dir: Path) -> Path:
 
 def _load() -> ctypes.CDLL | None:
     """The built helper, building it on the first call of the process; None where it cannot be had."""
-    global _lib, _tried, unavailable_reason
+    global _lib, _streaming, _tried, unavailable_reason
     if _tried:
         return _lib
     with _lock:
@@ -98,23 +100,27 @@ def _load() -> ctypes.CDLL | None:
             lib.kvt_stream_strided.argtypes = [address, i64, address, i64, i64, i64]
             lib.kvt_stream_scatter.restype = None
             lib.kvt_stream_scatter.argtypes = [ctypes.c_void_p, address, i64, i64, i64]
-            if not lib.kvt_streaming():
-                raise RuntimeError(f"no streaming stores on {platform.machine()}")
-            _lib = lib
+            lib.kvt_read_warm.restype = i64
+            pointer = ctypes.c_void_p
+            lib.kvt_read_warm.argtypes = [i64, pointer, pointer, i64, ctypes.c_char_p, i64, i64, i64, pointer,
+                                          pointer]
+            _lib, _streaming = lib, bool(lib.kvt_streaming())
         except subprocess.CalledProcessError as exc:
-            unavailable_reason = f"building {SOURCE.name} failed: {exc.stderr.strip()[-500:]}"
+            unavailable_reason = f"building the host helpers failed: {exc.stderr.strip()[-500:]}"
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             unavailable_reason = str(exc)
         if unavailable_reason is not None:
-            log.info("kvtier: streaming-store copies unavailable (%s); CPU-tier stores use memcpy",
-                     unavailable_reason)
+            log.info("kvtier: host helpers unavailable (%s); CPU-tier stores use memcpy and file-tier "
+                     "reads Python", unavailable_reason)
         _tried = True
         return _lib
 
 
 def available() -> bool:
-    """Whether the streaming-store helper is built and loaded (building it on the first call)."""
-    return _load() is not None
+    """Whether streaming-store copies can run: the library built and loaded (building it on the first
+    call), on a CPU with streaming stores (x86-64; elsewhere the library's copies are plain)."""
+    lib = _load()
+    return lib is not None and bool(lib.kvt_streaming())
 
 
 def _rows_of(array: np.ndarray) -> tuple[int, int, int] | None:
@@ -131,7 +137,8 @@ def stream_copy(dst: np.ndarray, src: np.ndarray) -> bool:
     caller then copies with ``np.copyto``.
     """
     lib = _lib if _tried else _load()
-    if lib is None or dst.shape != src.shape or dst.dtype != src.dtype or not dst.flags.writeable:
+    if (lib is None or not _streaming or dst.shape != src.shape or dst.dtype != src.dtype
+            or not dst.flags.writeable):
         return False
     d, s = _rows_of(dst), _rows_of(src)
     if d is None or s is None:
@@ -144,8 +151,8 @@ def stream_scatter(slab: np.ndarray, slots: list[int], src: np.ndarray) -> bool:
     """``slab[slots] = src`` with streaming stores (``slab`` 2-D with contiguous rows, ``src`` one row
     per slot); ``False`` (nothing copied) where that cannot be done so. Slots are bounds-checked."""
     lib = _lib if _tried else _load()
-    if (lib is None or src.ndim != 2 or src.shape[0] != len(slots) or src.shape[1:] != slab.shape[1:]
-            or src.dtype != slab.dtype or not slab.flags.writeable or not slots):
+    if (lib is None or not _streaming or not slots or src.ndim != 2 or src.shape[0] != len(slots)
+            or src.shape[1:] != slab.shape[1:] or src.dtype != slab.dtype or not slab.flags.writeable):
         return False
     d, s = _rows_of(slab), _rows_of(src)
     if d is None or s is None:
@@ -156,3 +163,61 @@ def stream_scatter(slab: np.ndarray, slots: list[int], src: np.ndarray) -> bool:
     addresses = (index * d[1] + d[0]).astype(np.uint64)
     lib.kvt_stream_scatter(addresses.ctypes.data, s[0], s[1], len(slots), d[2])
     return True
+
+
+_xxh3: ctypes.Array[ctypes.c_void_p] | None = None
+_xxh3_tried = False
+
+
+def _xxh3_functions() -> ctypes.Array[ctypes.c_void_p] | None:
+    """The XXH3 streaming functions of the loaded ``xxhash`` package (its extension exports them), for
+    :func:`read_warm`'s checksums; None if this build of the package does not export them."""
+    global _xxh3, _xxh3_tried
+    if not _xxh3_tried:
+        with _lock:
+            if not _xxh3_tried:
+                try:
+                    import xxhash._xxhash as extension
+
+                    lib = ctypes.CDLL(extension.__file__)
+                    # the update that picks SSE2/AVX2/AVX-512 by CPU at run time, as the package's own
+                    # xxh3_64 objects do (its plain XXH3_64bits_update is the build's baseline: SSE2)
+                    update = "XXH3_64bits_update_dispatch"
+                    if not hasattr(lib, update):
+                        update = "XXH3_64bits_update"
+                    names = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", update,
+                             "XXH3_64bits_digest")
+                    _xxh3 = (ctypes.c_void_p * 5)(*(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                                                   for name in names))
+                except (ImportError, OSError, AttributeError) as exc:
+                    log.info("kvtier: xxhash's XXH3 functions not found (%s); file-tier reads in Python", exc)
+                _xxh3_tried = True
+    return _xxh3
+
+
+def reads_available() -> bool:
+    """Whether :func:`read_warm` can run (the library built, xxhash's XXH3 functions found)."""
+    return _load() is not None and _xxh3_functions() is not None
+
+
+def read_warm(paths: list[bytes], outs: np.ndarray, size: int, expected: bytes, header_size: int,
+              checksum_offset: int, page_size: int) -> np.ndarray | None:
+    """Read each block file ``paths[i]`` (a header page, then ``size`` bytes into address ``outs[i]``)
+    from the page cache alone and check it: an ``int32`` status per block (``fileread.c``: 0 read and
+    verified, 1 not cached and asked for, 2 read it the long way). None: the helper is unavailable.
+
+    ``outs`` (``uint64``) must address writable buffers of ``size`` bytes each; ``expected`` holds the
+    headers the blocks must carry, ``header_size`` bytes each, their checksum fields zeroed.
+    """
+    fns = _xxh3_functions() if _load() is not None else None
+    if fns is None or _lib is None:
+        return None
+    n = len(paths)
+    if outs.dtype != np.uint64 or outs.shape != (n,) or len(expected) != n * header_size:
+        raise ValueError(f"read_warm: {n} paths, outs {outs.dtype}{outs.shape}, {len(expected)} header bytes")
+    status = np.full(n, 2, dtype=np.int32)
+    c_paths = (ctypes.c_char_p * n)(*paths)
+    if _lib.kvt_read_warm(n, c_paths, outs.ctypes.data, size, expected, header_size, checksum_offset,
+                          page_size, status.ctypes.data, fns) < 0:
+        raise MemoryError("read_warm: no memory for a header page and a hash state")
+    return status

@@ -144,9 +144,11 @@ def test_io_runs_in_parallel_on_the_pool(tmp_path: Path, monkeypatch: pytest.Mon
 def test_batches_in_flight_together_share_the_threads_without_a_task_each_per_thread(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eight gets at once on four threads: the first takes the four threads, the ones that arrive while
-    all are taken queue as one task each; every block still comes back exact."""
+    all are taken queue as one task each; every block still comes back exact (the Python read path:
+    the native one, below, makes one task per eight blocks)."""
     monkeypatch.setattr(file_module, "usable_cpus", lambda: 4)  # reads may use all four threads
     tier = make_tier(tmp_path, io_threads=4)
+    tier._native_reads = False
     keys = [key(i) for i in range(32)]
     blocks = [random_block(0, i) for i in range(32)]
     assert run(tier.put(keys, blocks)) == [True] * 32
@@ -178,6 +180,7 @@ def test_reads_use_at_most_one_thread_per_cpu_and_writes_all_io_threads(
     of the read to the four. Every block comes back exact."""
     monkeypatch.setattr(file_module, "usable_cpus", lambda: 2)
     tier = make_tier(tmp_path, io_threads=4)
+    tier._native_reads = False  # the Python read path (the native one: test_native_reads_*)
     readers: set[str] = set()
     writers: set[str] = set()
     waiting = [4]  # the first four writes wait for each other

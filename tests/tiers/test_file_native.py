@@ -1,0 +1,197 @@
+"""The file tier's native warm reads (kvtier/kernels/fileread.c): exact blocks, damage left to the
+Python path (same outcomes, block for block), cold blocks asked for and read, the read pool only, and
+no write into a caller's buffer after a cancelled get."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.kernels import host
+from kvtier.tiers import file as file_module
+from tests.tiers.test_file import (
+    LAYOUTS,
+    cancel_once_started,
+    drop_from_page_cache,
+    key,
+    make_tier,
+    random_block,
+    run,
+)
+
+pytestmark = pytest.mark.skipif(not host.reads_available(), reason="the native reader cannot be built here")
+
+
+class Spy:
+    """Wraps host.read_warm: the threads it ran on and every status it returned."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, before: threading.Event | None = None) -> None:
+        self.threads: set[str] = set()
+        self.statuses: list[int] = []
+        self.started = threading.Event()
+        real = host.read_warm
+
+        def read_warm(*args, **kwargs):
+            self.threads.add(threading.current_thread().name)
+            self.started.set()
+            if before is not None:
+                before.wait(10)
+            status = real(*args, **kwargs)
+            self.statuses.extend(status.tolist())
+            return status
+
+        monkeypatch.setattr(host, "read_warm", read_warm)
+
+
+def test_a_warm_batch_of_mixed_groups_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups of three block sizes in one batch: the first size is read natively, the others the
+    Python way; every block bit-exact."""
+    spy = Spy(monkeypatch)
+    tier = make_tier(tmp_path)
+    assert tier._native_reads
+    keys = [key(i, group=i % 3) for i in range(24)]
+    blocks = [random_block(k.group_id, i) for i, k in enumerate(keys)]
+    assert run(tier.put(keys, blocks)) == [True] * 24
+    out = [torch.zeros_like(b) for b in blocks]
+    assert run(tier.get(keys, out)) == [True] * 24
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+    assert spy.statuses == [0] * 8  # the eight of group 0, in one call (24 blocks: one part)
+    assert tier.counters.blocks_read == 24 and not tier.counters.errors
+    run(tier.close())
+
+
+def _damage(root: Path, tier: file_module.FileTier, keys: list) -> None:
+    paths = [tier.path_of(k) for k in keys]
+    data = bytearray(paths[1].read_bytes())
+    data[PAGE_ + 100] ^= 0x10  # one bit of the payload
+    paths[1].write_bytes(bytes(data))
+    os.truncate(paths[2], PAGE_ + 10)  # short
+    paths[3].unlink()
+    paths[3].symlink_to(paths[0])  # a link to a good block
+    paths[4].unlink()
+    os.mkfifo(paths[4])  # opening must not wait for a writer
+    paths[5].unlink()  # gone
+    shutil.copyfile(paths[7], paths[6])  # another key's block: its header names the other key
+
+
+PAGE_ = file_module.PAGE
+
+
+def test_damaged_blocks_get_the_outcomes_the_python_path_gives(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flipped bit, a short file, a symbolic link, a FIFO, a deleted file and a forged header: the
+    native reader verifies only the good blocks; the rest get, block for block, the hits, counters and
+    files the Python path gives them."""
+    results = {}
+    for native in (True, False):
+        spy = Spy(monkeypatch)
+        root = tmp_path / ("native" if native else "python")
+        tier = make_tier(root)
+        tier._native_reads = native
+        keys = [key(i) for i in range(8)]
+        blocks = [random_block(0, i) for i in range(8)]
+        assert run(tier.put(keys, blocks)) == [True] * 8
+        _damage(root, tier, keys)
+        out = [torch.zeros_like(b) for b in blocks]
+        hits = run(tier.get(keys, out))
+        assert all(torch.equal(o, b) for o, b, hit in zip(out, blocks, hits, strict=True) if hit)
+        left = sorted(p.name for p in root.rglob("*.kvb") if p.is_file() or p.is_symlink() or p.is_fifo())
+        results[native] = (hits, dict(tier.counters.errors), left, run(tier.contains(keys)))
+        assert spy.statuses == ([0, 2, 2, 2, 2, 2, 2, 0] if native else [])
+        run(tier.close())
+    assert results[True] == results[False]
+    assert results[True][0] == [True, False, False, False, False, False, False, True]
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT on this platform")
+def test_cold_blocks_are_asked_for_and_read_the_python_way(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = Spy(monkeypatch)
+    tier = make_tier(tmp_path)
+    keys = [key(i) for i in range(16)]
+    blocks = [random_block(0, i) for i in range(16)]
+    assert run(tier.put(keys, blocks)) == [True] * 16
+    drop_from_page_cache(tier, keys[::2])
+    out = [torch.zeros_like(b) for b in blocks]
+    assert run(tier.get(keys, out)) == [True] * 16
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+    if spy.statuses.count(1) == 0:
+        pytest.skip("the page cache kept the blocks (this filesystem ignores POSIX_FADV_DONTNEED)")
+    assert spy.statuses.count(0) >= 8 and set(spy.statuses) <= {0, 1}
+    run(tier.close())
+
+
+def test_native_reads_run_on_the_read_pool_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(file_module, "usable_cpus", lambda: 2)
+    spy = Spy(monkeypatch)
+    tier = make_tier(tmp_path, io_threads=4)
+    keys = [key(i) for i in range(64)]
+    blocks = [random_block(0, i) for i in range(64)]
+    assert run(tier.put(keys, blocks)) == [True] * 64
+    out = [torch.zeros_like(b) for b in blocks]
+
+    async def together() -> list[list[bool]]:
+        return await asyncio.gather(*[tier.get(keys[i:i + 16], out[i:i + 16]) for i in range(0, 64, 16)])
+
+    assert run(together()) == [[True] * 16] * 4
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+    assert 1 <= len(spy.threads) <= 2 and all("-read" in name for name in spy.threads)
+    assert spy.statuses == [0] * 64
+    run(tier.close())
+
+
+def test_a_cancelled_native_get_leaves_the_buffers_alone(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The get is cancelled while a native call is about to run: the cancellation returns only once
+    that call has finished, and nothing writes into the caller's buffers after it."""
+    release = threading.Event()
+    spy = Spy(monkeypatch, before=release)
+    tier = make_tier(tmp_path, io_threads=2)
+    keys = [key(i) for i in range(30)]
+    assert run(tier.put(keys, [random_block(0, i) for i in range(30)])) == [True] * 30
+    out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
+    run(cancel_once_started(tier.get(keys, out), spy.started, release))
+    assert spy.statuses  # the call ran to its end before the cancellation came back
+    snapshot = [o.clone() for o in out]
+    threading.Event().wait(0.2)
+    assert all(torch.equal(a, b) for a, b in zip(out, snapshot, strict=True))
+    run(tier.close())
+
+
+def test_a_wrapped_syscall_or_a_missing_helper_sends_reads_the_python_way(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper around ``os.preadv`` (a fault injector) must see the reads; without the helper
+    (``read_warm`` answers None) the tier stops asking it. Blocks exact either way."""
+    spy = Spy(monkeypatch)
+    tier = make_tier(tmp_path)
+    keys = [key(i) for i in range(8)]
+    blocks = [random_block(0, i) for i in range(8)]
+    assert run(tier.put(keys, blocks)) == [True] * 8
+    seen = []
+    real_preadv = os.preadv
+
+    def traced(*args):
+        seen.append(args[2])
+        return real_preadv(*args)
+
+    monkeypatch.setattr(os, "preadv", traced)
+    out = [torch.zeros_like(b) for b in blocks]
+    assert run(tier.get(keys, out)) == [True] * 8 and len(seen) == 8 and spy.statuses == []
+    monkeypatch.setattr(os, "preadv", real_preadv)
+    monkeypatch.setattr(host, "read_warm", lambda *args, **kwargs: None)
+    out = [torch.zeros_like(b) for b in blocks]
+    assert run(tier.get(keys, out)) == [True] * 8 and not tier._native_reads
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+    run(tier.close())
+
+
+def test_read_warm_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="2 paths"):
+        host.read_warm([b"a", b"b"], np.zeros(1, np.uint64), 16, bytes(256), 128, 104, 4096)
