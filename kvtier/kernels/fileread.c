@@ -35,11 +35,12 @@ typedef int (*xxh_update_fn)(void *, const void *, size_t);
 typedef uint64_t (*xxh_digest_fn)(const void *);
 
 /* fns: XXH3_createState, XXH3_freeState, XXH3_64bits_reset, XXH3_64bits_update, XXH3_64bits_digest.
- * paths[i]: the block file; outs[i]: where its size bytes go; expected: n headers of header_size
- * bytes, checksum field zeroed, at checksum_offset; page_size: the header page's size.
+ * paths[i]: the block file; outs[i]: where its size bytes go, read chunk bytes at a time; expected:
+ * n headers of header_size bytes, checksum field zeroed, at checksum_offset; page_size: the header
+ * page's size.
  * Returns -1 if scratch memory could not be had (nothing read), else the number of status-0 blocks. */
 int64_t kvt_read_warm(int64_t n, const char *const *paths, const uint64_t *outs, int64_t size,
-                      const uint8_t *expected, int64_t header_size, int64_t checksum_offset,
+                      int64_t chunk, const uint8_t *expected, int64_t header_size, int64_t checksum_offset,
                       int64_t page_size, int32_t *status, void *const *fns) {
     xxh_create_fn create = (xxh_create_fn)fns[0];
     xxh_free_fn release = (xxh_free_fn)fns[1];
@@ -58,23 +59,31 @@ int64_t kvt_read_warm(int64_t n, const char *const *paths, const uint64_t *outs,
         status[i] = 2;
         int fd = open(paths[i], O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
         if (fd < 0) continue;
-        struct iovec iov[2] = {{page, (size_t)page_size}, {(void *)(uintptr_t)outs[i], (size_t)size}};
+        uint8_t *out = (uint8_t *)(uintptr_t)outs[i];
+        const uint8_t *want = expected + i * header_size;
+        int64_t step = size < chunk ? size : chunk;
+        struct iovec iov[2] = {{page, (size_t)page_size}, {out, (size_t)step}};
         ssize_t got = preadv2(fd, iov, 2, 0, RWF_NOWAIT);
+        int ok = got == page_size + step &&
+                 memcmp(page, want, (size_t)checksum_offset) == 0 &&
+                 memcmp(page + checksum_offset + 8, want + checksum_offset + 8, tail) == 0 &&
+                 reset(state) == 0 && update(state, want, (size_t)header_size) == 0 &&
+                 update(state, out, (size_t)step) == 0;
+        /* the rest a chunk at a time, each hashed while it is still in the CPU's cache */
+        for (int64_t offset = step; ok && offset < size; offset += step) {
+            size_t piece = (size_t)(size - offset < step ? size - offset : step);
+            struct iovec rest = {out + offset, piece};
+            got = preadv2(fd, &rest, 1, page_size + offset, RWF_NOWAIT);
+            ok = got == (ssize_t)piece && update(state, out + offset, piece) == 0;
+        }
         if (got < 0 && errno == EAGAIN) {
             posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
             status[i] = 1;
         }
         close(fd);
-        if (got != page_size + size) continue;
-        const uint8_t *want = expected + i * header_size;
-        if (memcmp(page, want, (size_t)checksum_offset) != 0 ||
-            memcmp(page + checksum_offset + 8, want + checksum_offset + 8, tail) != 0)
-            continue;
+        if (!ok) continue;
         uint64_t stored = 0;
         for (int b = 7; b >= 0; b--) stored = (stored << 8) | page[checksum_offset + b];
-        if (reset(state) != 0 || update(state, want, (size_t)header_size) != 0 ||
-            update(state, (const void *)(uintptr_t)outs[i], (size_t)size) != 0)
-            continue;
         if (digest(state) == stored) {
             status[i] = 0;
             good++;

@@ -102,8 +102,8 @@ def _load() -> ctypes.CDLL | None:
             lib.kvt_stream_scatter.argtypes = [ctypes.c_void_p, address, i64, i64, i64]
             lib.kvt_read_warm.restype = i64
             pointer = ctypes.c_void_p
-            lib.kvt_read_warm.argtypes = [i64, pointer, pointer, i64, ctypes.c_char_p, i64, i64, i64, pointer,
-                                          pointer]
+            lib.kvt_read_warm.argtypes = [i64, pointer, pointer, i64, i64, ctypes.c_char_p, i64, i64, i64,
+                                          pointer, pointer]
             _lib, _streaming = lib, bool(lib.kvt_streaming())
         except subprocess.CalledProcessError as exc:
             unavailable_reason = f"building the host helpers failed: {exc.stderr.strip()[-500:]}"
@@ -200,11 +200,12 @@ def reads_available() -> bool:
     return _load() is not None and _xxh3_functions() is not None
 
 
-def read_warm(paths: list[bytes], outs: np.ndarray, size: int, expected: bytes, header_size: int,
+def read_warm(paths: list[bytes], outs: np.ndarray, size: int, chunk: int, expected: bytes, header_size: int,
               checksum_offset: int, page_size: int) -> np.ndarray | None:
-    """Read each block file ``paths[i]`` (a header page, then ``size`` bytes into address ``outs[i]``)
-    from the page cache alone and check it: an ``int32`` status per block (``fileread.c``: 0 read and
-    verified, 1 not cached and asked for, 2 read it the long way). None: the helper is unavailable.
+    """Read each block file ``paths[i]`` (a header page, then ``size`` bytes into address ``outs[i]``,
+    ``chunk`` bytes per read, each hashed as it lands) from the page cache alone and check it: an
+    ``int32`` status per block (``fileread.c``: 0 read and verified, 1 not cached and asked for, 2
+    read it the long way). None: the helper is unavailable.
 
     ``outs`` (``uint64``) must address writable buffers of ``size`` bytes each; ``expected`` holds the
     headers the blocks must carry, ``header_size`` bytes each, their checksum fields zeroed.
@@ -213,11 +214,12 @@ def read_warm(paths: list[bytes], outs: np.ndarray, size: int, expected: bytes, 
     if fns is None or _lib is None:
         return None
     n = len(paths)
-    if outs.dtype != np.uint64 or outs.shape != (n,) or len(expected) != n * header_size:
-        raise ValueError(f"read_warm: {n} paths, outs {outs.dtype}{outs.shape}, {len(expected)} header bytes")
+    if outs.dtype != np.uint64 or outs.shape != (n,) or len(expected) != n * header_size or chunk <= 0:
+        raise ValueError(f"read_warm: {n} paths, outs {outs.dtype}{outs.shape}, {len(expected)} header "
+                         f"bytes, chunk {chunk}")
     status = np.full(n, 2, dtype=np.int32)
     c_paths = (ctypes.c_char_p * n)(*paths)
-    if _lib.kvt_read_warm(n, c_paths, outs.ctypes.data, size, expected, header_size, checksum_offset,
+    if _lib.kvt_read_warm(n, c_paths, outs.ctypes.data, size, chunk, expected, header_size, checksum_offset,
                           page_size, status.ctypes.data, fns) < 0:
         raise MemoryError("read_warm: no memory for a header page and a hash state")
     return status

@@ -429,7 +429,7 @@ class FileTier(Tier):
         size = reads[0][2].nbytes
         picked = [i for i, (key, file_size, array) in enumerate(reads)
                   if array.nbytes == size and file_size == raw_size[key.group_id]]
-        if not picked or size > READ_CHUNK:
+        if not picked:
             return outcomes
         paths, expected = [], []
         for i in picked:
@@ -439,7 +439,8 @@ class FileTier(Tier):
             expected.append(raw_headers[key.group_id].of(key))
         outs = np.fromiter((reads[i][2].__array_interface__["data"][0] for i in picked), np.uint64,
                            len(picked))
-        status = host.read_warm(paths, outs, size, b"".join(expected), HEADER_SIZE, CHECKSUM_OFFSET, PAGE)
+        status = host.read_warm(paths, outs, size, READ_CHUNK, b"".join(expected), HEADER_SIZE,
+                                CHECKSUM_OFFSET, PAGE)
         if status is None:
             self._native_reads = False
             return outcomes

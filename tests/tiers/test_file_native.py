@@ -194,4 +194,32 @@ def test_a_wrapped_syscall_or_a_missing_helper_sends_reads_the_python_way(
 
 def test_read_warm_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match="2 paths"):
-        host.read_warm([b"a", b"b"], np.zeros(1, np.uint64), 16, bytes(256), 128, 104, 4096)
+        host.read_warm([b"a", b"b"], np.zeros(1, np.uint64), 16, 16, bytes(256), 128, 104, 4096)
+
+
+def test_blocks_larger_than_a_read_chunk_are_read_a_chunk_at_a_time(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """2.5 read chunks per block: every piece lands and is hashed; a flipped bit in the last, short
+    piece fails the checksum and the block goes the long way (a miss, the file dropped)."""
+    from kvtier.layout import BlockLayout
+    from kvtier.tiers.file import READ_CHUNK, FileTier
+
+    layout = BlockLayout(num_layers=5, num_kv_heads=8, head_dim=128, block_size=64)
+    assert layout.nbytes == 2 * READ_CHUNK + READ_CHUNK // 2
+    spy = Spy(monkeypatch)
+    tier = FileTier("big", {0: layout}, {0: 1 << 30}, root=tmp_path, namespace="ns")
+    keys = [key(i) for i in range(4)]
+    gen = torch.Generator().manual_seed(5)
+    blocks = [torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, generator=gen) for _ in keys]
+    assert run(tier.put(keys, blocks)) == [True] * 4
+    out = [torch.zeros_like(b) for b in blocks]
+    assert run(tier.get(keys, out)) == [True] * 4
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True)) and spy.statuses == [0] * 4
+    path = tier.path_of(keys[2])
+    data = bytearray(path.read_bytes())
+    data[PAGE_ + layout.nbytes - 1] ^= 1
+    path.write_bytes(bytes(data))
+    out = [torch.zeros_like(b) for b in blocks]
+    assert run(tier.get(keys, out)) == [True, True, False, True]
+    assert spy.statuses[4:] == [0, 0, 2, 0] and tier.counters.errors == {"corrupt": 1} and not path.exists()
+    run(tier.close())
