@@ -47,6 +47,7 @@ from kvtier.residency import READY, Plan, Residency
 from kvtier.tiers.base import Tier
 from kvtier.tiers.buffers import RowBatch, aligned_empty, as_rows
 from kvtier.tiers.cpu import CpuTier, SlotFill, SlotRead, SlotReservation, buffers_fill, rows_fill
+from kvtier.tiers.file import FileTier
 
 if TYPE_CHECKING:
     from kvtier.prometheus import MetricsServer
@@ -129,6 +130,9 @@ class AsyncTieredCache:
         self._inline = bool(self.tiers) and all(type(tier) is CpuTier for tier in self.tiers)
         #: tiers that take a caller's batch as one ``[n, nbytes]`` tensor (see :meth:`_blocks_for`)
         self._row_tiers = frozenset(t for t, tier in enumerate(self.tiers) if type(tier) is CpuTier)
+        #: tiers whose get also takes a run of a caller's rows as one ``[n, nbytes]`` tensor (checked once)
+        self._row_reading_tiers = self._row_tiers | {t for t, tier in enumerate(self.tiers)
+                                                      if type(tier) is FileTier}
         self._mutation: asyncio.Lock | None = None
         self._index_lock = threading.Lock()
         self._watchers: list[ResidencyWatcher] = []
@@ -383,7 +387,7 @@ class AsyncTieredCache:
                     by_tier.setdefault(t, []).append(i)
             results = await _together([
                 self._safe_io(t, "get", [keys[i] for i in idx],
-                              self._blocks_for(t, buffers, idx, writable=True))
+                              self._blocks_for(t, buffers, idx, writable=True, reading=True))
                 for t, idx in by_tier.items()])
             for (t, idx), res in zip(by_tier.items(), results, strict=True):
                 if one_tier and len(res) == n and False not in res:
@@ -1128,11 +1132,11 @@ class AsyncTieredCache:
         return out
 
     def _blocks_for(self, t: int, buffers: Sequence[torch.Tensor | None], idx: list[int], *,
-                    writable: bool) -> Sequence[torch.Tensor | None] | torch.Tensor:
-        """Blocks ``idx`` of ``buffers`` as tier ``t``'s put/get takes them: for a CPU tier, a caller's
-        batch as one ``[n, nbytes]`` tensor (one check and one copy per batch; a view when the tier
-        writes into it); otherwise one tensor per block."""
-        if t in self._row_tiers and isinstance(buffers, RowBatch):
+                    writable: bool, reading: bool = False) -> Sequence[torch.Tensor | None] | torch.Tensor:
+        """Blocks ``idx`` of ``buffers`` as tier ``t``'s put/get takes them: for a CPU tier (and for a
+        file tier's get, ``reading``), a caller's batch as one ``[n, nbytes]`` tensor (one check and
+        one copy per batch; a view when the tier writes into it); otherwise one tensor per block."""
+        if t in (self._row_reading_tiers if reading else self._row_tiers) and isinstance(buffers, RowBatch):
             rows = buffers.take(idx, writable=writable)
             if rows is not None:
                 return rows

@@ -30,12 +30,12 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 import torch
 
-from kvtier.blocks import BlockKey
+from kvtier.blocks import BlockKey, all_of_group
 from kvtier.codec import (
     CHECKSUM_OFFSET,
     HEADER_SIZE,
@@ -352,8 +352,12 @@ class FileTier(Tier):
         self._log_over_capacity(last)
         return [by_key[key].error is None for key in keys]
 
-    async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor]) -> list[bool]:
+    async def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | torch.Tensor) -> list[bool]:
         """Read each indexed block into ``out[i]``; the I/O threads share the batch (:meth:`_on_io_threads`).
+
+        ``out``: one 1-D uint8 tensor per key, or one ``[n, nbytes]`` uint8 tensor whose rows receive
+        the keys' blocks (keys of one group; what the cache passes for a run of its caller's rows):
+        checked once instead of once per block.
 
         Called by the cache to load hits; a key not in the index is a miss without any I/O. A missing
         file is a miss (dropped from the index); a corrupt or truncated one is a miss and deleted; an
@@ -450,7 +454,7 @@ class FileTier(Tier):
                 outcomes[i] = good
         return outcomes
 
-    def _read_jobs(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor],
+    def _read_jobs(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | torch.Tensor,
                    ) -> tuple[list[int], list[tuple[BlockKey, int, np.ndarray]]]:
         """Check ``out`` and list the indexed keys' reads: (their positions, ``(key, file size, array)``).
 
@@ -458,6 +462,16 @@ class FileTier(Tier):
         checks are :meth:`check_buffers`'s and :meth:`_host_array`'s; on anything the pass refuses,
         those run themselves and raise their own :class:`LayoutMismatch`.
         """
+        if isinstance(out, torch.Tensor):
+            if (out.dtype == torch.uint8 and out.dim() == 2 and out.shape[0] == len(keys) and keys
+                    and out.device.type == "cpu" and out.is_contiguous()
+                    and out.shape[1] == self._block_nbytes.get(keys[0].group_id)
+                    and all_of_group(keys, keys[0].group_id)):
+                rows = out.numpy()
+                sizes = list(map(self._index.get, keys))  # (one lookup each: I/O threads may drop keys)
+                present = [i for i, size in enumerate(sizes) if size is not None]
+                return present, [(keys[i], cast("int", sizes[i]), rows[i]) for i in present]
+            out = list(out.unbind(0)) if out.dim() > 1 else [out]
         if len(keys) == len(out):
             index, nbytes = self._index, self._block_nbytes
             uint8 = torch.uint8

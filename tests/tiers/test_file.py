@@ -1045,3 +1045,25 @@ def test_many_gets_in_flight_on_two_threads_all_finish_exact(tmp_path: Path) -> 
     assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
     assert not any(tier._tasks_in_flight.values()) and tier.counters.blocks_read == n
     run(tier.close())
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_get_into_one_row_batch(tmp_path: Path, native: bool) -> None:
+    """``out`` as one ``[n, nbytes]`` tensor (what the cache passes for a run of its caller's rows):
+    hits land in their rows, a key never stored is a miss that leaves its row alone; a batch of the
+    wrong width, dtype or group is refused as a list of rows would be."""
+    tier = make_tier(tmp_path)
+    tier._native_reads = tier._native_reads and native
+    keys = [key(i) for i in range(6)]
+    blocks = torch.stack([random_block(0, i) for i in range(6)])
+    assert run(tier.put(keys[:5], list(blocks[:5]))) == [True] * 5
+    out = torch.full_like(blocks, 7)
+    assert run(tier.get(keys, out)) == [True] * 5 + [False]
+    assert torch.equal(out[:5], blocks[:5]) and bool((out[5] == 7).all())
+    with pytest.raises(LayoutMismatch):
+        run(tier.get(keys, torch.zeros(6, LAYOUTS[0].nbytes - 1, dtype=torch.uint8)))
+    with pytest.raises(LayoutMismatch):
+        run(tier.get(keys, torch.zeros(6, LAYOUTS[0].nbytes // 2, dtype=torch.int16)))
+    with pytest.raises(LayoutMismatch):
+        run(tier.get([key(0, group=1), *keys[1:]], torch.zeros_like(blocks)))
+    run(tier.close())
