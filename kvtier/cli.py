@@ -119,7 +119,11 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
             continue
         blocks = "from the engine" if vllm else str(t.capacity // set_bytes)
         if t.type == "file":
-            where = t.path
+            from kvtier.kernels import host
+
+            why = host.unavailable_reason or "xxhash exports no XXH3 functions"
+            where = t.path + (", native warm reads" if host.reads_available()
+                              else f", reads in Python ({why})")
         elif t.type == "gpu":
             where = f"cuda:{t.device}" + ("" if cuda
                                           else " (no CUDA here: this tier cannot start on this machine)")
