@@ -64,9 +64,10 @@ def build(cc: str, out_dir: Path) -> Path:
              platform.machine().encode()]
     tag = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = out_dir / f"kvtier-host-{tag}.so"
+    out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _refuse_shared(out_dir)
     if target.exists():
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".kvtier-host-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
@@ -77,6 +78,31 @@ def build(cc: str, out_dir: Path) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _refuse_shared(directory: Path) -> None:
+    """Raise :class:`PermissionError` unless ``directory`` is ours and no one else may write in it: a
+    library loaded from it runs as this process, so another user must not be able to plant one."""
+    st = os.stat(directory)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{directory} is writable by others or not owned by this user "
+                              f"(mode {st.st_mode & 0o777:o}, owner {st.st_uid}); not loading code from it")
+
+
+def _load_built(cc: str) -> ctypes.CDLL:
+    """:func:`build` into :func:`cache_dir` and load; where that directory cannot be used (read-only,
+    someone else's), build into a private temporary directory, load, and remove it (the next process
+    builds again)."""
+    try:
+        return ctypes.CDLL(str(build(cc, cache_dir())))
+    except OSError as exc:
+        log.info("kvtier: cannot keep the host helpers in %s (%s); building them for this process",
+                 cache_dir(), exc)
+    private = tempfile.mkdtemp(prefix="kvtier-host-")  # 0700, a fresh name
+    try:
+        return ctypes.CDLL(str(build(cc, Path(private))))
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -93,7 +119,7 @@ def _load() -> ctypes.CDLL | None:
             cc = compiler()
             if cc is None:
                 raise RuntimeError("no C compiler (set CC, or install cc, gcc or clang)")
-            lib = ctypes.CDLL(str(build(cc, cache_dir())))
+            lib = _load_built(cc)
             lib.kvt_streaming.restype = ctypes.c_int
             lib.kvt_stream_strided.restype = None
             address, i64 = ctypes.c_size_t, ctypes.c_int64

@@ -135,3 +135,19 @@ def test_without_the_helper_the_cpu_tier_copies_with_numpy(tmp_path: Path, env: 
     assert f"reason: {reason}" in run.stdout
     assert run.stderr.count("host helpers unavailable") == 1
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_a_cache_directory_others_may_write_is_not_loaded_from(tmp_path: Path) -> None:
+    """A library there could have been planted by another user: the helpers are built for this process
+    in a private directory instead (and work), and nothing is written to the shared one."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by others"):
+        host.build(host.compiler() or "cc", shared)
+    script = "from kvtier.kernels import host; print(host.available(), host.reads_available())"
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "KVTIER_CACHE_DIR": str(shared)})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True", "True"]
+    assert list(shared.iterdir()) == []
