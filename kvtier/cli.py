@@ -109,6 +109,8 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
                            f"{p.geometry.block_size} tok", _gib(p.geometry.nbytes), p.geometry.describe())
         out.append(groups)
     cuda = cuda_present()
+    from kvtier.kernels import host  # (numpy, no torch: `kvtier check` stays light)
+
     tiers = Table("#", "tier", "type", "capacity", "blocks/group", "eviction", "admission", "where")
     for i, t in enumerate(cfg.tiers):
         name = escape(tier_name(t, i))
@@ -119,8 +121,6 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
             continue
         blocks = "from the engine" if vllm else str(t.capacity // set_bytes)
         if t.type == "file":
-            from kvtier.kernels import host
-
             why = host.unavailable_reason or "xxhash exports no XXH3 functions"
             where = t.path + (", native warm reads" if host.reads_available()
                               else f", reads in Python ({why})")
@@ -132,8 +132,6 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
             if t.pinned is True and not cuda:
                 where += " (pinned: true, but no CUDA here)"
             if t.streaming_stores:  # builds the helper if this machine has not yet (once, ~0.1 s)
-                from kvtier.kernels import host
-
                 where += (", streaming stores" if host.available()
                           else f", memcpy stores (no streaming: {host.unavailable_reason})")
         tiers.add_row(str(i), name, t.type, _gib(t.capacity), blocks, t.eviction, t.admission, escape(where))

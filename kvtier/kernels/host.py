@@ -33,6 +33,7 @@ CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _streaming = False  # the library's copies use streaming stores (x86-64)
+_xxh3: ctypes.Array[ctypes.c_void_p] | None = None  # xxhash's XXH3 functions, for read_warm
 _tried = False
 #: why the helper is not in use (None while it is, or before the first try)
 unavailable_reason: str | None = None
@@ -107,7 +108,7 @@ def _load_built(cc: str) -> ctypes.CDLL:
 
 def _load() -> ctypes.CDLL | None:
     """The built helper, building it on the first call of the process; None where it cannot be had."""
-    global _lib, _streaming, _tried, unavailable_reason
+    global _lib, _streaming, _xxh3, _tried, unavailable_reason
     if _tried:
         return _lib
     with _lock:
@@ -130,7 +131,7 @@ def _load() -> ctypes.CDLL | None:
             pointer = ctypes.c_void_p
             lib.kvt_read_warm.argtypes = [i64, pointer, pointer, i64, i64, ctypes.c_char_p, i64, i64, i64,
                                           pointer, pointer]
-            _lib, _streaming = lib, bool(lib.kvt_streaming())
+            _lib, _streaming, _xxh3 = lib, bool(lib.kvt_streaming()), _xxh3_functions()
         except subprocess.CalledProcessError as exc:
             unavailable_reason = f"building the host helpers failed: {exc.stderr.strip()[-500:]}"
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -145,8 +146,7 @@ def _load() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether streaming-store copies can run: the library built and loaded (building it on the first
     call), on a CPU with streaming stores (x86-64; elsewhere the library's copies are plain)."""
-    lib = _load()
-    return lib is not None and bool(lib.kvt_streaming())
+    return _load() is not None and _streaming
 
 
 def _rows_of(array: np.ndarray) -> tuple[int, int, int] | None:
@@ -191,39 +191,28 @@ def stream_scatter(slab: np.ndarray, slots: list[int], src: np.ndarray) -> bool:
     return True
 
 
-_xxh3: ctypes.Array[ctypes.c_void_p] | None = None
-_xxh3_tried = False
-
-
 def _xxh3_functions() -> ctypes.Array[ctypes.c_void_p] | None:
     """The XXH3 streaming functions of the loaded ``xxhash`` package (its extension exports them), for
     :func:`read_warm`'s checksums; None if this build of the package does not export them."""
-    global _xxh3, _xxh3_tried
-    if not _xxh3_tried:
-        with _lock:
-            if not _xxh3_tried:
-                try:
-                    import xxhash._xxhash as extension
+    try:
+        import xxhash._xxhash as extension
 
-                    lib = ctypes.CDLL(extension.__file__)
-                    # the update that picks SSE2/AVX2/AVX-512 by CPU at run time, as the package's own
-                    # xxh3_64 objects do (its plain XXH3_64bits_update is the build's baseline: SSE2)
-                    update = "XXH3_64bits_update_dispatch"
-                    if not hasattr(lib, update):
-                        update = "XXH3_64bits_update"
-                    names = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", update,
-                             "XXH3_64bits_digest")
-                    _xxh3 = (ctypes.c_void_p * 5)(*(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                                                   for name in names))
-                except (ImportError, OSError, AttributeError) as exc:
-                    log.info("kvtier: xxhash's XXH3 functions not found (%s); file-tier reads in Python", exc)
-                _xxh3_tried = True
-    return _xxh3
+        lib = ctypes.CDLL(extension.__file__)
+        # the update that picks SSE2/AVX2/AVX-512 by CPU at run time, as the package's own xxh3_64
+        # objects do (its plain XXH3_64bits_update is the build's baseline: SSE2)
+        update = next((name for name in ("XXH3_64bits_update_dispatch",) if hasattr(lib, name)),
+                      "XXH3_64bits_update")
+        names = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", update, "XXH3_64bits_digest")
+        addresses = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names]
+        return (ctypes.c_void_p * len(names))(*addresses)
+    except (ImportError, OSError, AttributeError) as exc:
+        log.info("kvtier: xxhash's XXH3 functions not found (%s); file-tier reads in Python", exc)
+        return None
 
 
 def reads_available() -> bool:
     """Whether :func:`read_warm` can run (the library built, xxhash's XXH3 functions found)."""
-    return _load() is not None and _xxh3_functions() is not None
+    return _load() is not None and _xxh3 is not None
 
 
 def read_warm(paths: list[bytes], outs: np.ndarray, size: int, chunk: int, expected: bytes, header_size: int,
@@ -236,8 +225,8 @@ def read_warm(paths: list[bytes], outs: np.ndarray, size: int, chunk: int, expec
     ``outs`` (``uint64``) must address writable buffers of ``size`` bytes each; ``expected`` holds the
     headers the blocks must carry, ``header_size`` bytes each, their checksum fields zeroed.
     """
-    fns = _xxh3_functions() if _load() is not None else None
-    if fns is None or _lib is None:
+    lib = _lib if _tried else _load()
+    if lib is None or _xxh3 is None:
         return None
     n = len(paths)
     if outs.dtype != np.uint64 or outs.shape != (n,) or len(expected) != n * header_size or chunk <= 0:
@@ -245,7 +234,7 @@ def read_warm(paths: list[bytes], outs: np.ndarray, size: int, chunk: int, expec
                          f"bytes, chunk {chunk}")
     status = np.full(n, 2, dtype=np.int32)
     c_paths = (ctypes.c_char_p * n)(*paths)
-    if _lib.kvt_read_warm(n, c_paths, outs.ctypes.data, size, chunk, expected, header_size, checksum_offset,
-                          page_size, status.ctypes.data, fns) < 0:
+    if lib.kvt_read_warm(n, c_paths, outs.ctypes.data, size, chunk, expected, header_size, checksum_offset,
+                         page_size, status.ctypes.data, _xxh3) < 0:
         raise MemoryError("read_warm: no memory for a header page and a hash state")
     return status

@@ -429,7 +429,7 @@ class FileTier(Tier):
         """One native call for the raw blocks of ``reads`` of the first one's size: their outcomes where
         verified, None for every other read (on an I/O thread)."""
         outcomes: list[_Outcome | None] = [None] * len(reads)
-        raw_size, raw_headers, locate = self._raw_file_size, self._raw_headers, self._locate
+        raw_size, raw_headers, block_path = self._raw_file_size, self._raw_headers, self._block_path
         size = reads[0][2].nbytes
         picked = [i for i, (key, file_size, array) in enumerate(reads)
                   if array.nbytes == size and file_size == raw_size[key.group_id]]
@@ -438,8 +438,7 @@ class FileTier(Tier):
         paths, expected = [], []
         for i in picked:
             key = reads[i][0]
-            shard, hex_hash = locate(key)
-            paths.append(f"{shard}/{hex_hash}{BLOCK_SUFFIX}".encode())
+            paths.append(block_path(key).encode())
             expected.append(raw_headers[key.group_id].of(key))
         outs = np.fromiter((reads[i][2].__array_interface__["data"][0] for i in picked), np.uint64,
                            len(picked))
@@ -684,8 +683,12 @@ class FileTier(Tier):
     # --- paths and directories ---------------------------------------------------------------------
     def path_of(self, key: BlockKey) -> Path:
         """Where ``key``'s block lives (whether or not it is stored)."""
+        return Path(self._block_path(key))
+
+    def _block_path(self, key: BlockKey) -> str:
+        """:meth:`path_of` as a plain string (the read paths')."""
         shard, hex_hash = self._locate(key)
-        return Path(f"{shard}/{hex_hash}{BLOCK_SUFFIX}")
+        return f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
 
     def _locate(self, key: BlockKey) -> tuple[str, str]:
         """``(shard directory, hash hex)`` of a key: plain strings, the hot path avoids pathlib."""
@@ -909,9 +912,8 @@ class FileTier(Tier):
         # checksum taken. A block not all cached is put off as in _read_block; anything else, an
         # exception included, goes the full way (:meth:`_read_block`), which reads again and sorts
         # out misses, corrupt files and faults.
-        shard, hex_hash = self._locate(key)
         page = self._scratch().read_page
-        path = f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
+        path = self._block_path(key)
         try:
             fd = os.open(path, _READ_FLAGS)
             try:
@@ -942,8 +944,7 @@ class FileTier(Tier):
         path (:meth:`_check_block`), which also names what is wrong with a corrupt block.
         """
         group = key.group_id
-        shard, hex_hash = self._locate(key)
-        path = f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
+        path = self._block_path(key)
         scratch = self._scratch()
         direct = self._direct_reads
         try:
