@@ -216,6 +216,14 @@ class RawHeaders:
                 bytes(packed[:_FIXED.size]), bytes(MAX_HASH_BYTES - len(block_hash)))
         return b"".join((parts[0], block_hash, parts[1], self._tail))
 
+    def of_hashes(self, group_id: int, hashes: list[bytes]) -> bytes:
+        """:meth:`of` for each hash (all of one length) of ``group_id``, concatenated: one C-level join."""
+        if not hashes:
+            return b""
+        head = self.of(BlockKey(hashes[0], group_id))[:_FIXED.size]
+        after = bytes(MAX_HASH_BYTES - len(hashes[0])) + self._tail
+        return head + (after + head).join(hashes) + after
+
 
 def start_raw_check(header_buf: bytes | bytearray | memoryview, expected: bytes) -> xxhash.xxh3_64 | None:
     """Compare a stored header with ``expected`` (:meth:`RawHeaders.of`) byte for byte, checksum aside.

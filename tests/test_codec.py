@@ -194,3 +194,13 @@ def test_the_one_step_raw_check_agrees_with_the_field_by_field_one(
     assert fast == long_way
     if fast:
         assert stored_payload == data
+
+
+@given(length=st.integers(0, 64), count=st.integers(0, 6), group=st.integers(0, 2**32 - 1),
+       ns=st.integers(0, 2**64 - 1), seed=st.binary(min_size=1, max_size=8))
+def test_a_batch_of_raw_headers_is_the_headers_of_each_key(length: int, count: int, group: int, ns: int,
+                                                            seed: bytes) -> None:
+    """``of_hashes`` (the native reader's batch) is ``of`` of each key, end to end."""
+    hashes = [(seed * 80)[i:i + length] if i % 2 else bytes([i]) * length for i in range(count)]
+    headers = RawHeaders(LAYOUT, 512, ns)
+    assert headers.of_hashes(group, hashes) == b"".join(headers.of(BlockKey(h, group)) for h in hashes)

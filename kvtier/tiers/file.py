@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -117,6 +117,11 @@ def _wait_writeback(fd: int) -> None:
     elif _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"sync_file_range: {os.strerror(code)}")
+
+
+def _shard_name(hex_hash: str) -> str:
+    """The shard directory of a block: its hash's first byte in hex (``00`` for an empty hash)."""
+    return hex_hash[:2] or "00"
 
 
 def _round_up(nbytes: int) -> int:
@@ -363,12 +368,12 @@ class FileTier(Tier):
         file is a miss (dropped from the index); a corrupt or truncated one is a miss and deleted; an
         I/O error is a miss that keeps the file. Raises only :class:`LayoutMismatch` for wrong buffers.
         """
-        slots, reads = self._read_jobs(keys, out)
+        slots, reads, addresses = self._read_jobs(keys, out)
         start = time.perf_counter()
         # the read pool where a read can tell the page cache from the disk (not: O_DIRECT, no RWF_NOWAIT)
         if self._nowait and not self._direct_reads:
             if self._native_reads and _syscalls_unwrapped():
-                outcomes = await self._read_natively(reads)
+                outcomes = await self._read_natively(reads, addresses)
             else:
                 outcomes = await self._on_io_threads(self._read_cached_block, reads, self._read_block,
                                                      executor=self._read_executor)
@@ -389,7 +394,8 @@ class FileTier(Tier):
         counters.bytes_read += nbytes
         return hits
 
-    async def _read_natively(self, reads: list[tuple[BlockKey, int, np.ndarray]]) -> list[_Outcome]:
+    async def _read_natively(self, reads: list[tuple[BlockKey, int, np.ndarray]], addresses: list[int],
+                             ) -> list[_Outcome]:
         """Read the warm raw blocks of a batch with the native helper, the rest as :meth:`get` otherwise does.
 
         The batch is cut into one part per idle thread of the read pool (at least one, at most one per
@@ -407,7 +413,7 @@ class FileTier(Tier):
         cuts = [n * p // parts for p in range(parts + 1)]
         loop = asyncio.get_running_loop()
         self._tasks_in_flight[pool] += parts
-        futures = [loop.run_in_executor(pool, self._read_warm_part, reads[a:z])
+        futures = [loop.run_in_executor(pool, self._read_warm_part, reads[a:z], addresses[a:z])
                    for a, z in zip(cuts, cuts[1:], strict=False)]
         try:
             done = await asyncio.shield(asyncio.gather(*futures))
@@ -425,25 +431,24 @@ class FileTier(Tier):
                 outcomes[i] = outcome
         return outcomes  # type: ignore[return-value]  # (every None replaced above)
 
-    def _read_warm_part(self, reads: list[tuple[BlockKey, int, np.ndarray]]) -> list[_Outcome | None]:
-        """One native call for the raw blocks of ``reads`` of the first one's size: their outcomes where
-        verified, None for every other read (on an I/O thread)."""
+    def _read_warm_part(self, reads: list[tuple[BlockKey, int, np.ndarray]], addresses: list[int],
+                        ) -> list[_Outcome | None]:
+        """One native call for the raw blocks of ``reads`` (at ``addresses``) of the first one's group and
+        hash length: their outcomes where verified, None for every other read (on an I/O thread)."""
         outcomes: list[_Outcome | None] = [None] * len(reads)
-        raw_size, raw_headers, block_path = self._raw_file_size, self._raw_headers, self._block_path
-        size = reads[0][2].nbytes
+        first_key, _, first = reads[0]
+        group, hash_len, size = first_key.group_id, len(first_key.block_hash), first.nbytes
+        raw_size = self._raw_file_size[group]
         picked = [i for i, (key, file_size, array) in enumerate(reads)
-                  if array.nbytes == size and file_size == raw_size[key.group_id]]
+                  if file_size == raw_size and key.group_id == group and len(key.block_hash) == hash_len
+                  and array.nbytes == size]
         if not picked:
             return outcomes
-        paths, expected = [], []
-        for i in picked:
-            key = reads[i][0]
-            paths.append(block_path(key).encode())
-            expected.append(raw_headers[key.group_id].of(key))
-        outs = np.fromiter((reads[i][2].__array_interface__["data"][0] for i in picked), np.uint64,
-                           len(picked))
-        status = host.read_warm(paths, outs, size, READ_CHUNK, b"".join(expected), HEADER_SIZE,
-                                CHECKSUM_OFFSET, PAGE)
+        hashes = [reads[i][0].block_hash for i in picked]
+        paths = self._block_paths(group, hashes)
+        expected = self._raw_headers[group].of_hashes(group, hashes)
+        outs = np.array([addresses[i] for i in picked], dtype=np.uint64)
+        status = host.read_warm(paths, outs, size, READ_CHUNK, expected, HEADER_SIZE, CHECKSUM_OFFSET, PAGE)
         if status is None:
             self._native_reads = False
             return outcomes
@@ -454,43 +459,49 @@ class FileTier(Tier):
         return outcomes
 
     def _read_jobs(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | torch.Tensor,
-                   ) -> tuple[list[int], list[tuple[BlockKey, int, np.ndarray]]]:
-        """Check ``out`` and list the indexed keys' reads: (their positions, ``(key, file size, array)``).
+                   ) -> tuple[list[int], list[tuple[BlockKey, int, np.ndarray]], list[int]]:
+        """Check ``out`` and list the indexed keys' reads: (their positions, ``(key, file size, array)``,
+        each array's address for the native reader).
 
         One pass over the batch on the event loop's thread (it holds the GIL the I/O threads want). The
         checks are :meth:`check_buffers`'s and :meth:`_host_array`'s; on anything the pass refuses,
         those run themselves and raise their own :class:`LayoutMismatch`.
         """
+        index_get = self._index.get  # (one lookup per key: I/O threads may drop keys meanwhile)
+        slots: list[int] = []
+        reads: list[tuple[BlockKey, int, np.ndarray]] = []
         if isinstance(out, torch.Tensor):
             if (out.dtype == torch.uint8 and out.dim() == 2 and out.shape[0] == len(keys) and keys
                     and out.device.type == "cpu" and out.is_contiguous()
                     and out.shape[1] == self._block_nbytes.get(keys[0].group_id)
                     and all_of_group(keys, keys[0].group_id)):
-                rows = out.numpy()
-                sizes = list(map(self._index.get, keys))  # (one lookup each: I/O threads may drop keys)
-                present = [i for i, size in enumerate(sizes) if size is not None]
-                return present, [(keys[i], cast("int", sizes[i]), rows[i]) for i in present]
+                rows, base, stride = out.numpy(), out.data_ptr(), out.shape[1]
+                for i, key in enumerate(keys):
+                    if (size := index_get(key)) is not None:
+                        slots.append(i)
+                        reads.append((key, size, rows[i]))
+                return slots, reads, [base + stride * i for i in slots]
             out = list(out.unbind(0)) if out.dim() > 1 else [out]
         if len(keys) == len(out):
-            index, nbytes = self._index, self._block_nbytes
+            nbytes = self._block_nbytes
             uint8 = torch.uint8
-            slots: list[int] = []
-            reads: list[tuple[BlockKey, int, np.ndarray]] = []
+            addresses: list[int] = []
             for i, (key, buf) in enumerate(zip(keys, out, strict=True)):
                 if (buf.dtype != uint8 or buf.dim() != 1 or buf.numel() != nbytes.get(key.group_id)
                         or not buf.is_contiguous() or buf.device.type != "cpu"):
                     break
-                size = index.get(key)
-                if size is not None:
+                if (size := index_get(key)) is not None:
                     slots.append(i)
                     reads.append((key, size, buf.numpy()))
+                    addresses.append(buf.data_ptr())
             else:
-                return slots, reads
+                return slots, reads, addresses
         # a buffer the one-pass check refused: the full checks raise their own error naming it
         self.check_buffers(keys, out, "out")
         arrays = [self._host_array(buf, "out") for buf in out]
-        indexed = [(i, key, size) for i, key in enumerate(keys) if (size := self._index.get(key)) is not None]
-        return [i for i, _, _ in indexed], [(key, size, arrays[i]) for i, key, size in indexed]
+        indexed = [(i, key, size) for i, key in enumerate(keys) if (size := index_get(key)) is not None]
+        return ([i for i, _, _ in indexed], [(key, size, arrays[i]) for i, key, size in indexed],
+                [arrays[i].ctypes.data for i, _, _ in indexed])
 
     async def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Answer from the in-memory index, without I/O (a ``get`` may still miss on a damaged file)."""
@@ -690,10 +701,16 @@ class FileTier(Tier):
         shard, hex_hash = self._locate(key)
         return f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
 
+    def _block_paths(self, group: int, hashes: list[bytes]) -> list[bytes]:
+        """:meth:`_block_path` of each hash of ``group``, encoded (the native reader's batch)."""
+        prefix = f"{self._directory}/g{group}/"
+        return [f"{prefix}{_shard_name(hex_hash)}/{hex_hash}{BLOCK_SUFFIX}".encode()
+                for hex_hash in map(bytes.hex, hashes)]
+
     def _locate(self, key: BlockKey) -> tuple[str, str]:
         """``(shard directory, hash hex)`` of a key: plain strings, the hot path avoids pathlib."""
         hex_hash = key.block_hash.hex()
-        return f"{self._directory}/g{key.group_id}/{hex_hash[:2] or '00'}", hex_hash
+        return f"{self._directory}/g{key.group_id}/{_shard_name(hex_hash)}", hex_hash
 
     def _make_dir(self, path: str | Path, parents: bool = False) -> None:
         if parents:
