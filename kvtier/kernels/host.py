@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("streamcopy.c", "fileread.c"))
 #: the compiler's flags: no -march, so a cache shared by different machines of one architecture works
-CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC")
+CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-pthread")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -129,8 +129,16 @@ def _load() -> ctypes.CDLL | None:
             lib.kvt_stream_scatter.argtypes = [ctypes.c_void_p, address, i64, i64, i64]
             lib.kvt_read_warm.restype = i64
             pointer = ctypes.c_void_p
-            lib.kvt_read_warm.argtypes = [i64, pointer, pointer, i64, i64, ctypes.c_char_p, i64, i64, i64,
+            text = ctypes.c_char_p
+            lib.kvt_read_warm.argtypes = [i64, text, text, i64, text, pointer, i64, i64, text, i64, i64, i64,
                                           pointer, pointer]
+            lib.kvt_pool_start.restype = pointer
+            lib.kvt_pool_start.argtypes = [i64, i64]
+            lib.kvt_pool_submit.restype = i64
+            lib.kvt_pool_submit.argtypes = [pointer, i64, text, text, i64, text, pointer, i64, i64, text, i64,
+                                            i64, i64, pointer, pointer, ctypes.c_uint64]
+            lib.kvt_pool_stop.restype = None
+            lib.kvt_pool_stop.argtypes = [pointer]
             _lib, _streaming, _xxh3 = lib, bool(lib.kvt_streaming()), _xxh3_functions()
         except subprocess.CalledProcessError as exc:
             unavailable_reason = f"building the host helpers failed: {exc.stderr.strip()[-500:]}"
@@ -215,26 +223,36 @@ def reads_available() -> bool:
     return _load() is not None and _xxh3 is not None
 
 
-def read_warm(paths: list[bytes], outs: np.ndarray, size: int, chunk: int, expected: bytes, header_size: int,
-              checksum_offset: int, page_size: int) -> np.ndarray | None:
-    """Read each block file ``paths[i]`` (a header page, then ``size`` bytes into address ``outs[i]``,
-    ``chunk`` bytes per read, each hashed as it lands) from the page cache alone and check it: an
-    ``int32`` status per block (``fileread.c``: 0 read and verified, 1 not cached and asked for, 2
-    read it the long way). None: the helper is unavailable.
+def read_warm(prefix: bytes, hashes: bytes, hash_len: int, suffix: bytes, outs: np.ndarray, size: int,
+              chunk: int, expected: bytes, header_size: int, checksum_offset: int, page_size: int,
+              ) -> np.ndarray | None:
+    """Read each block file (a header page, then ``size`` bytes into address ``outs[i]``, ``chunk``
+    bytes per read, each hashed as it lands) from the page cache alone and check it: an ``int32``
+    status per block (``fileread.c``: 0 read and verified, 1 not cached and asked for, 2 read it the
+    long way). None: the helper is unavailable.
 
-    ``outs`` (``uint64``) must address writable buffers of ``size`` bytes each; ``expected`` holds the
-    headers the blocks must carry, ``header_size`` bytes each, their checksum fields zeroed.
+    Block ``i``'s file is ``prefix``, the first byte of its hash (``hashes[i * hash_len:][:hash_len]``)
+    in hex, ``/``, the hash in hex, ``suffix``: the file tier's layout. ``outs`` (``uint64``) must
+    address writable buffers of ``size`` bytes each; ``expected`` holds the headers the blocks must
+    carry, ``header_size`` bytes each, their checksum fields zeroed.
     """
     lib = _lib if _tried else _load()
     if lib is None or _xxh3 is None:
         return None
-    n = len(paths)
-    if outs.dtype != np.uint64 or outs.shape != (n,) or len(expected) != n * header_size or chunk <= 0:
-        raise ValueError(f"read_warm: {n} paths, outs {outs.dtype}{outs.shape}, {len(expected)} header "
-                         f"bytes, chunk {chunk}")
-    status = np.full(n, 2, dtype=np.int32)
-    c_paths = (ctypes.c_char_p * n)(*paths)
-    if lib.kvt_read_warm(n, c_paths, outs.ctypes.data, size, chunk, expected, header_size, checksum_offset,
-                         page_size, status.ctypes.data, _xxh3) < 0:
+    n = check_batch(hashes, hash_len, outs, expected, header_size, chunk)
+    status = np.empty(n, dtype=np.int32)
+    if lib.kvt_read_warm(n, prefix, hashes, hash_len, suffix, outs.ctypes.data, size, chunk, expected,
+                         header_size, checksum_offset, page_size, status.ctypes.data, _xxh3) < 0:
         raise MemoryError("read_warm: no memory for a header page and a hash state")
     return status
+
+
+def check_batch(hashes: bytes, hash_len: int, outs: np.ndarray, expected: bytes, header_size: int,
+                chunk: int) -> int:
+    """The number of blocks of a :func:`read_warm` batch; ValueError naming what does not agree."""
+    n = len(outs)
+    if (hash_len < 0 or len(hashes) != n * hash_len or outs.dtype != np.uint64 or outs.shape != (n,)
+            or len(expected) != n * header_size or chunk <= 0):
+        raise ValueError(f"read_warm: {len(hashes)} hash bytes of {hash_len} each, outs {outs.dtype}"
+                         f"{outs.shape}, {len(expected)} header bytes of {header_size} each, chunk {chunk}")
+    return n

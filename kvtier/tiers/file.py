@@ -27,7 +27,7 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -53,6 +53,7 @@ from kvtier.errors import CorruptBlock, KVTierConfigError, LayoutMismatch, TierU
 from kvtier.hashing import namespace_fingerprint
 from kvtier.hostinfo import usable_cpus
 from kvtier.kernels import host
+from kvtier.kernels.reader_pool import ReaderPool
 from kvtier.layout import BlockLayout
 from kvtier.logs import LogLimiter
 from kvtier.tiers.base import Tier
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 #: Alignment of the header page, the payload offset and every file length (and of O_DIRECT buffers).
 PAGE = 4096
 BLOCK_SUFFIX = ".kvb"
+_SUFFIX = BLOCK_SUFFIX.encode()  # (fileread.c builds the block paths)
 TMP_SUFFIX = ".tmp"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -187,6 +189,23 @@ class _ShardScan(NamedTuple):
     removed_tmp: int
 
 
+#: a part of a batch queued on the native readers: (its first read's position, block size, the
+#: positions in the part it read, the future of their statuses)
+_NativeJob = tuple[int, int, list[int], "asyncio.Future[np.ndarray]"]
+
+
+class _WarmJob(NamedTuple):
+    """A batch for ``fileread.c``: raw blocks of one group, hash length and size (``FileTier._warm_job``)."""
+
+    picked: list[int]  # their positions in the reads given
+    size: int
+    prefix: bytes  # the group's directory, then "/": fileread.c adds "<shard>/<hash hex><suffix>"
+    hashes: bytes  # their hashes, one after the other
+    hash_len: int
+    expected: bytes  # the headers they must carry (RawHeaders.of_hashes)
+    outs: np.ndarray  # where each goes (uint64 addresses)
+
+
 class _Outcome(NamedTuple):
     """What one block's I/O did: ``error`` is ``None`` on success, else the counter it goes to."""
 
@@ -301,6 +320,9 @@ class FileTier(Tier):
         self._handed_lock = threading.Lock()
         #: warm raw blocks are read a batch per call by the native helper (kvtier/kernels/fileread.c)
         self._native_reads = host.reads_available()
+        #: native reader threads for the warm reads (one per read-pool thread), started on first use
+        self._readers = ReaderPool(read_threads) if self._native_reads else None
+        self._native_jobs_in_flight = 0  # batches queued on ``_readers`` (event loop's thread only)
         try:
             self._make_dir(self.root, parents=True)
             self._refuse_unsafe(self.root, ancestors=True)
@@ -398,8 +420,9 @@ class FileTier(Tier):
                              ) -> list[_Outcome]:
         """Read the warm raw blocks of a batch with the native helper, the rest as :meth:`get` otherwise does.
 
-        The batch is cut into one part per idle thread of the read pool (at least one, at most one per
-        8 blocks); each part is one call into ``fileread.c`` with the GIL released, which reads and
+        The batch is cut into parts, each one call into ``fileread.c``: on the tier's native reader
+        threads (:class:`ReaderPool`) where they serve this event loop, else one part per idle thread of
+        the read pool (at least one, at most one per 8 blocks) with the GIL released. It reads and
         verifies the blocks it finds whole in the page cache and asks the kernel for the others. What
         it did not verify (cold, missing, corrupt, compressed, an error) then takes the Python path,
         which reads it again and sorts every case out: the helper only ever says "this block is good".
@@ -409,20 +432,25 @@ class FileTier(Tier):
             return []
         pool = self._read_executor
         n = len(reads)
-        parts = max(1, min(self._pool_threads[pool] - self._tasks_in_flight[pool], (n + 7) // 8))
-        cuts = [n * p // parts for p in range(parts + 1)]
-        loop = asyncio.get_running_loop()
-        self._tasks_in_flight[pool] += parts
-        futures = [loop.run_in_executor(pool, self._read_warm_part, reads[a:z], addresses[a:z])
-                   for a, z in zip(cuts, cuts[1:], strict=False)]
-        try:
-            done = await asyncio.shield(asyncio.gather(*futures))
-        except BaseException:  # cancelled (or a bug): let no thread outlive the call
-            await asyncio.wait(futures)
-            raise
-        finally:
-            self._tasks_in_flight[pool] -= parts
-        outcomes = [outcome for part in done for outcome in part]
+        outcomes: list[_Outcome | None]
+        queued = self._read_on_native_threads(reads, addresses)
+        if queued is not None:
+            outcomes = await queued
+        else:
+            parts = max(1, min(self._pool_threads[pool] - self._tasks_in_flight[pool], (n + 7) // 8))
+            cuts = [n * p // parts for p in range(parts + 1)]
+            loop = asyncio.get_running_loop()
+            self._tasks_in_flight[pool] += parts
+            futures = [loop.run_in_executor(pool, self._read_warm_part, reads[a:z], addresses[a:z])
+                       for a, z in zip(cuts, cuts[1:], strict=False)]
+            try:
+                done = await asyncio.shield(asyncio.gather(*futures))
+            except BaseException:  # cancelled (or a bug): let no thread outlive the call
+                await asyncio.wait(futures)
+                raise
+            finally:
+                self._tasks_in_flight[pool] -= parts
+            outcomes = [outcome for part in done for outcome in part]
         rest = [i for i, outcome in enumerate(outcomes) if outcome is None]
         if rest:
             later = await self._on_io_threads(self._read_cached_block, [reads[i] for i in rest],
@@ -431,11 +459,75 @@ class FileTier(Tier):
                 outcomes[i] = outcome
         return outcomes  # type: ignore[return-value]  # (every None replaced above)
 
+    def _read_on_native_threads(self, reads: list[tuple[BlockKey, int, np.ndarray]], addresses: list[int],
+                                ) -> Awaitable[list[_Outcome | None]] | None:
+        """Queue the batch on the native reader threads (:class:`ReaderPool`), one part per idle
+        reader (at most one per 8 blocks); None where they cannot take it (then: the read pool)."""
+        readers = self._readers
+        if readers is None:
+            return None
+        n = len(reads)
+        parts = max(1, min(readers.threads - self._native_jobs_in_flight, (n + 7) // 8))
+        cuts = [n * p // parts for p in range(parts + 1)]
+        jobs: list[_NativeJob] = []
+        for a, z in zip(cuts, cuts[1:], strict=False):
+            job = self._warm_job(reads[a:z], addresses[a:z])
+            if job is None:
+                continue
+            future = readers.submit(job.prefix, job.hashes, job.hash_len, _SUFFIX, job.outs, job.size,
+                                    READ_CHUNK, job.expected, HEADER_SIZE, CHECKSUM_OFFSET, PAGE)
+            if future is None:  # the pool cannot serve this loop (or it is stopping)
+                if not jobs:
+                    return None
+                continue  # (this part's blocks are read the long way)
+            jobs.append((a, job.size, job.picked, future))
+        return self._native_outcomes(n, jobs)
+
+    async def _native_outcomes(self, n: int, jobs: list[_NativeJob]) -> list[_Outcome | None]:
+        """Wait for the queued parts: an outcome per verified block, None for the rest. A cancelled
+        call returns only once no reader thread touches ``out``."""
+        outcomes: list[_Outcome | None] = [None] * n
+        if not jobs:
+            return outcomes
+        futures = [future for _, _, _, future in jobs]
+        self._native_jobs_in_flight += len(jobs)
+        try:
+            statuses = await asyncio.shield(asyncio.gather(*futures))
+        except BaseException:
+            await asyncio.wait(futures)
+            raise
+        finally:
+            self._native_jobs_in_flight -= len(jobs)
+        for (start, size, picked, _), status in zip(jobs, statuses, strict=True):
+            good = _Outcome(None, PAGE + size)
+            for i, code in zip(picked, status.tolist(), strict=True):
+                if code == 0:
+                    outcomes[start + i] = good
+        return outcomes
+
     def _read_warm_part(self, reads: list[tuple[BlockKey, int, np.ndarray]], addresses: list[int],
                         ) -> list[_Outcome | None]:
-        """One native call for the raw blocks of ``reads`` (at ``addresses``) of the first one's group and
-        hash length: their outcomes where verified, None for every other read (on an I/O thread)."""
+        """One native call for the raw blocks of ``reads`` (:meth:`_warm_job`): their outcomes where
+        verified, None for every other read (on an I/O thread)."""
         outcomes: list[_Outcome | None] = [None] * len(reads)
+        job = self._warm_job(reads, addresses)
+        if job is None:
+            return outcomes
+        status = host.read_warm(job.prefix, job.hashes, job.hash_len, _SUFFIX, job.outs, job.size,
+                                READ_CHUNK, job.expected, HEADER_SIZE, CHECKSUM_OFFSET, PAGE)
+        if status is None:
+            self._native_reads = False
+            return outcomes
+        good = _Outcome(None, PAGE + job.size)
+        for i, code in zip(job.picked, status.tolist(), strict=True):
+            if code == 0:
+                outcomes[i] = good
+        return outcomes
+
+    def _warm_job(self, reads: list[tuple[BlockKey, int, np.ndarray]], addresses: list[int],
+                  ) -> _WarmJob | None:
+        """What ``fileread.c`` needs for the raw blocks of ``reads`` (at ``addresses``) of the first
+        one's group, hash length and size; None if there are none."""
         first_key, _, first = reads[0]
         group, hash_len, size = first_key.group_id, len(first_key.block_hash), first.nbytes
         raw_size = self._raw_file_size[group]
@@ -443,20 +535,11 @@ class FileTier(Tier):
                   if file_size == raw_size and key.group_id == group and len(key.block_hash) == hash_len
                   and array.nbytes == size]
         if not picked:
-            return outcomes
+            return None
         hashes = [reads[i][0].block_hash for i in picked]
-        paths = self._block_paths(group, hashes)
-        expected = self._raw_headers[group].of_hashes(group, hashes)
-        outs = np.array([addresses[i] for i in picked], dtype=np.uint64)
-        status = host.read_warm(paths, outs, size, READ_CHUNK, expected, HEADER_SIZE, CHECKSUM_OFFSET, PAGE)
-        if status is None:
-            self._native_reads = False
-            return outcomes
-        good = _Outcome(None, PAGE + size)
-        for i, code in zip(picked, status.tolist(), strict=True):
-            if code == 0:
-                outcomes[i] = good
-        return outcomes
+        return _WarmJob(picked, size, f"{self._directory}/g{group}/".encode(), b"".join(hashes), hash_len,
+                        self._raw_headers[group].of_hashes(group, hashes),
+                        np.array([addresses[i] for i in picked], dtype=np.uint64))
 
     def _read_jobs(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | torch.Tensor,
                    ) -> tuple[list[int], list[tuple[BlockKey, int, np.ndarray]], list[int]]:
@@ -537,10 +620,14 @@ class FileTier(Tier):
     async def close(self) -> None:
         """Wait for in-flight I/O on a helper thread, then stop the I/O threads."""
         await asyncio.to_thread(self._shutdown, True)
+        if self._readers is not None:
+            self._readers.close()
         self._corrupt_log.flush()
         self._capacity_log.flush()
 
     def _shutdown(self, wait: bool) -> None:
+        if self._readers is not None:  # (its batches are short: it finishes them even without ``wait``)
+            self._readers.stop()
         # the read pool first: a read in flight may still hand its cold blocks to the full pool
         self._read_executor.shutdown(wait)
         self._executor.shutdown(wait)
@@ -700,12 +787,6 @@ class FileTier(Tier):
         """:meth:`path_of` as a plain string (the read paths')."""
         shard, hex_hash = self._locate(key)
         return f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
-
-    def _block_paths(self, group: int, hashes: list[bytes]) -> list[bytes]:
-        """:meth:`_block_path` of each hash of ``group``, encoded (the native reader's batch)."""
-        prefix = f"{self._directory}/g{group}/"
-        return [f"{prefix}{_shard_name(hex_hash)}/{hex_hash}{BLOCK_SUFFIX}".encode()
-                for hex_hash in map(bytes.hex, hashes)]
 
     def _locate(self, key: BlockKey) -> tuple[str, str]:
         """``(shard directory, hash hex)`` of a key: plain strings, the hot path avoids pathlib."""

@@ -1,12 +1,14 @@
 """The file tier's native warm reads (kvtier/kernels/fileread.c): exact blocks, damage left to the
 Python path (same outcomes, block for block), cold blocks asked for and read, the read pool only, and
-no write into a caller's buffer after a cancelled get."""
+no write into a caller's buffer after a cancelled get. Each test runs twice: on the native reader
+threads (kvtier/kernels/reader_pool.py) and, as where they cannot serve, on the read pool."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import shutil
+import signal
 import threading
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from kvtier.kernels import host
+from kvtier.kernels.reader_pool import ReaderPool
 from kvtier.tiers import file as file_module
 from tests.tiers.test_file import (
     LAYOUTS,
@@ -29,14 +32,24 @@ from tests.tiers.test_file import (
 pytestmark = pytest.mark.skipif(not host.reads_available(), reason="the native reader cannot be built here")
 
 
+@pytest.fixture(autouse=True, params=["native threads", "read pool"])
+def reader_threads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which threads run the native reads: the tier's :class:`ReaderPool`, or (none made) its read pool."""
+    if request.param == "read pool":
+        monkeypatch.setattr(file_module, "ReaderPool", lambda threads: None)
+    return str(request.param)
+
+
 class Spy:
-    """Wraps host.read_warm: the threads it ran on and every status it returned."""
+    """Wraps host.read_warm and ReaderPool.submit: the threads the reads ran on ("native" for the
+    reader pool's) and every status returned. ``before``: a read's result waits for it."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, before: threading.Event | None = None) -> None:
         self.threads: set[str] = set()
         self.statuses: list[int] = []
         self.started = threading.Event()
         real = host.read_warm
+        real_submit = ReaderPool.submit
 
         def read_warm(*args, **kwargs):
             self.threads.add(threading.current_thread().name)
@@ -47,7 +60,28 @@ class Spy:
             self.statuses.extend(status.tolist())
             return status
 
+        def submit(pool, *args, **kwargs):
+            future = real_submit(pool, *args, **kwargs)
+            if future is None:
+                return None
+            self.threads.add("native")
+            self.started.set()
+            if before is not None:  # hand the result on only once ``before`` is set
+                loop, real_future = asyncio.get_running_loop(), future
+                later = loop.create_future()
+
+                def wait_then_chain() -> None:
+                    before.wait(10)
+                    loop.call_soon_threadsafe(real_future.add_done_callback,
+                                              lambda done: later.set_result(done.result()))
+
+                threading.Thread(target=wait_then_chain, daemon=True).start()
+                future = later
+            future.add_done_callback(lambda done: self.statuses.extend(done.result().tolist()))
+            return future
+
         monkeypatch.setattr(host, "read_warm", read_warm)
+        monkeypatch.setattr(ReaderPool, "submit", submit)
 
 
 def test_a_warm_batch_of_mixed_groups_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +176,8 @@ def test_native_reads_run_on_the_read_pool_only(tmp_path: Path, monkeypatch: pyt
 
     assert run(together()) == [[True] * 16] * 4
     assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
-    assert 1 <= len(spy.threads) <= 2 and all("-read" in name for name in spy.threads)
+    assert spy.threads == {"native"} or (1 <= len(spy.threads) <= 2
+                                         and all("-read" in name for name in spy.threads))
     assert spy.statuses == [0] * 64
     run(tier.close())
 
@@ -186,6 +221,7 @@ def test_a_wrapped_syscall_or_a_missing_helper_sends_reads_the_python_way(
     assert run(tier.get(keys, out)) == [True] * 8 and len(seen) == 8 and spy.statuses == []
     monkeypatch.setattr(os, "preadv", real_preadv)
     monkeypatch.setattr(host, "read_warm", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ReaderPool, "submit", lambda *args, **kwargs: None)
     out = [torch.zeros_like(b) for b in blocks]
     assert run(tier.get(keys, out)) == [True] * 8 and not tier._native_reads
     assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
@@ -193,8 +229,18 @@ def test_a_wrapped_syscall_or_a_missing_helper_sends_reads_the_python_way(
 
 
 def test_read_warm_checks_its_arguments() -> None:
-    with pytest.raises(ValueError, match="2 paths"):
-        host.read_warm([b"a", b"b"], np.zeros(1, np.uint64), 16, 16, bytes(256), 128, 104, 4096)
+    with pytest.raises(ValueError, match="32 hash bytes of 16 each"):  # two hashes, one address
+        host.read_warm(b"/x/", bytes(32), 16, b".kvb", np.zeros(1, np.uint64), 16, 16, bytes(256), 128, 104,
+                       4096)
+    pool = ReaderPool(1)
+
+    async def submit() -> None:
+        with pytest.raises(ValueError, match="255 header bytes of 128 each"):
+            pool.submit(b"/x/", bytes(32), 16, b".kvb", np.zeros(2, np.uint64), 16, 16, bytes(255), 128, 104,
+                        4096)
+
+    run(submit())
+    pool.close()
 
 
 def test_blocks_larger_than_a_read_chunk_are_read_a_chunk_at_a_time(tmp_path: Path,
@@ -222,4 +268,79 @@ def test_blocks_larger_than_a_read_chunk_are_read_a_chunk_at_a_time(tmp_path: Pa
     out = [torch.zeros_like(b) for b in blocks]
     assert run(tier.get(keys, out)) == [True, True, False, True]
     assert spy.statuses[4:] == [0, 0, 2, 0] and tier.counters.errors == {"corrupt": 1} and not path.exists()
+    run(tier.close())
+
+
+def test_a_second_live_event_loop_reads_on_the_read_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          reader_threads: str) -> None:
+    """The reader threads report to one event loop: while it lives, a get from another loop is served
+    by the read pool (exact all the same); once it is closed, the next loop takes the readers over."""
+    spy = Spy(monkeypatch)
+    tier = make_tier(tmp_path)
+    keys = [key(i) for i in range(8)]
+    blocks = [random_block(0, i) for i in range(8)]
+    assert run(tier.put(keys, blocks)) == [True] * 8
+    first = asyncio.new_event_loop()
+    thread = threading.Thread(target=first.run_forever, daemon=True)
+    thread.start()
+    try:
+        out = [torch.zeros_like(b) for b in blocks]
+        assert asyncio.run_coroutine_threadsafe(tier.get(keys, out), first).result(10) == [True] * 8
+        native = spy.threads == {"native"}
+        assert native == (reader_threads == "native threads")
+        spy.threads.clear()
+        out = [torch.zeros_like(b) for b in blocks]
+        assert run(tier.get(keys, out)) == [True] * 8  # another loop, while the first lives
+        assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+        assert spy.threads and "native" not in spy.threads
+    finally:
+        first.call_soon_threadsafe(first.stop)
+        thread.join(10)
+        first.close()
+    spy.threads.clear()
+    out = [torch.zeros_like(b) for b in blocks]
+    assert run(tier.get(keys, out)) == [True] * 8  # the first loop is closed: this one takes over
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+    assert (spy.threads == {"native"}) == native
+    run(tier.close())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_reads_with_reader_threads_of_its_own(tmp_path: Path, reader_threads: str) -> None:
+    """The parent's reader threads do not survive a fork: the pool starts threads of its own in the
+    child, which reads exact blocks; the parent's keep working. (The pool alone: a file tier's Python
+    thread pools do not survive a fork either, and the cache refuses to be used across one.)"""
+    if reader_threads != "native threads":
+        pytest.skip("the reader pool's own test")
+    tier = make_tier(tmp_path)
+    keys = [key(i) for i in range(8)]
+    blocks = [random_block(0, i) for i in range(8)]
+    assert run(tier.put(keys, blocks)) == [True] * 8
+    out = torch.stack([torch.zeros_like(b) for b in blocks])  # (made here: torch can hang in a forked child)
+    reads = [(k, tier._index[k], out[i].numpy()) for i, k in enumerate(keys)]
+    job = tier._warm_job(reads, [out.data_ptr() + i * out.shape[1] for i in range(8)])
+    assert job is not None and tier._readers is not None
+    pool = tier._readers
+
+    async def read() -> list[int]:
+        future = pool.submit(job.prefix, job.hashes, job.hash_len, b".kvb", job.outs, job.size,
+                             file_module.READ_CHUNK, job.expected, file_module.HEADER_SIZE,
+                             file_module.CHECKSUM_OFFSET, file_module.PAGE)
+        assert future is not None
+        return (await future).tolist()
+
+    assert run(read()) == [0] * 8
+    expected = b"".join(b.numpy().tobytes() for b in blocks)
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only, and never hang
+        signal.alarm(20)
+        try:
+            out.numpy().fill(0)
+            os._exit(0 if run(read()) == [0] * 8 and out.numpy().tobytes() == expected else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    out.zero_()
+    assert run(read()) == [0] * 8 and out.numpy().tobytes() == expected
     run(tier.close())
