@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -66,6 +67,7 @@ log = logging.getLogger(__name__)
 PAGE = 4096
 BLOCK_SUFFIX = ".kvb"
 _SUFFIX = BLOCK_SUFFIX.encode()  # (fileread.c builds the block paths)
+_BLOCK_HASH, _GROUP_ID, _NBYTES = attrgetter("block_hash"), attrgetter("group_id"), attrgetter("nbytes")
 TMP_SUFFIX = ".tmp"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -531,15 +533,22 @@ class FileTier(Tier):
         first_key, _, first = reads[0]
         group, hash_len, size = first_key.group_id, len(first_key.block_hash), first.nbytes
         raw_size = self._raw_file_size[group]
-        picked = [i for i, (key, file_size, array) in enumerate(reads)
-                  if file_size == raw_size and key.group_id == group and len(key.block_hash) == hash_len
-                  and array.nbytes == size]
-        if not picked:
-            return None
-        hashes = [reads[i][0].block_hash for i in picked]
+        keys, sizes, arrays = zip(*reads, strict=True)
+        hashes = list(map(_BLOCK_HASH, keys))
+        if (sizes.count(raw_size) == len(reads) and set(map(len, hashes)) == {hash_len}
+                and set(map(_GROUP_ID, keys)) == {group} and set(map(_NBYTES, arrays)) == {size}):
+            picked = list(range(len(reads)))  # the usual batch: all raw, of one group and size
+            outs = np.array(addresses, dtype=np.uint64)
+        else:
+            picked = [i for i, (key, file_size, array) in enumerate(reads)
+                      if file_size == raw_size and key.group_id == group and len(key.block_hash) == hash_len
+                      and array.nbytes == size]
+            if not picked:
+                return None
+            hashes = [hashes[i] for i in picked]
+            outs = np.array([addresses[i] for i in picked], dtype=np.uint64)
         return _WarmJob(picked, size, f"{self._directory}/g{group}/".encode(), b"".join(hashes), hash_len,
-                        self._raw_headers[group].of_hashes(group, hashes),
-                        np.array([addresses[i] for i in picked], dtype=np.uint64))
+                        self._raw_headers[group].of_hashes(group, hashes), outs)
 
     def _read_jobs(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | torch.Tensor,
                    ) -> tuple[list[int], list[tuple[BlockKey, int, np.ndarray]], list[int]]:
@@ -559,8 +568,12 @@ class FileTier(Tier):
                     and out.shape[1] == self._block_nbytes.get(keys[0].group_id)
                     and all_of_group(keys, keys[0].group_id)):
                 rows, base, stride = out.numpy(), out.data_ptr(), out.shape[1]
-                for i, key in enumerate(keys):
-                    if (size := index_get(key)) is not None:
+                sizes = list(map(index_get, keys))
+                if None not in sizes:  # the usual load: every key indexed, the batch in C-level passes
+                    reads = list(zip(keys, sizes, rows, strict=True))  # type: ignore[arg-type]
+                    return list(range(len(keys))), reads, list(range(base, base + stride * len(keys), stride))
+                for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+                    if size is not None:
                         slots.append(i)
                         reads.append((key, size, rows[i]))
                 return slots, reads, [base + stride * i for i in slots]
