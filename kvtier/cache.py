@@ -1878,8 +1878,10 @@ class TieredCache:
         return future
 
     def _settled(self, future: concurrent.futures.Future[Any]) -> None:
-        with self._state:
-            self._pending.discard(future)
+        # Without ``_state``: one C-level set operation, as are the others' (``add``, ``bool``, ``list``),
+        # so it needs no lock, and this runs on the loop thread, which must not wait for a caller that
+        # holds ``_state`` while its submission hands the GIL over (the loop's wake-up write).
+        self._pending.discard(future)
 
     def _not_on_loop(self, call: str, coro: Coroutine[Any, Any, Any] | None = None) -> None:
         """Refuse a blocking call on the loop's own thread, where it would wait on itself forever (closing
