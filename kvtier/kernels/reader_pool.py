@@ -23,9 +23,6 @@ import numpy as np
 
 from kvtier.kernels import host
 
-#: status of a block the pool did not read (``fileread.c``: read it the long way)
-NOT_READ = 2
-
 
 class ReaderPool:
     """``threads`` native readers, started on first use in each process (a forked child starts its own)."""
@@ -39,8 +36,8 @@ class ReaderPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._read_fd = self._write_fd = -1
         self._partial = b""  # (a token is 8 bytes; a read never splits one, but be sure)
-        #: token -> (future, what the batch's C call points at: kept alive until its token is back)
-        self._pending: dict[int, tuple[asyncio.Future[np.ndarray], tuple[object, ...]]] = {}
+        #: token -> (future, the batch's statuses, what its C call points at: alive until the token is back)
+        self._pending: dict[int, tuple[asyncio.Future[np.ndarray], np.ndarray, tuple[object, ...]]] = {}
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()  # orders submits with stop (the pool's memory is freed by stop)
         self._closed = False
@@ -65,7 +62,7 @@ class ReaderPool:
         status = np.empty(n, dtype=np.int32)
         future: asyncio.Future[np.ndarray] = loop.create_future()
         token = next(self._tokens)
-        self._pending[token] = (future, (prefix, hashes, suffix, outs, expected, status))
+        self._pending[token] = (future, status, (prefix, hashes, suffix, outs, expected))
         with self._lock:
             queued = self._handle is not None and host._lib.kvt_pool_submit(  # type: ignore[union-attr]
                 self._handle, n, prefix, hashes, hash_len, suffix, outs.ctypes.data, size, chunk, expected,
@@ -132,9 +129,8 @@ class ReaderPool:
         self._partial = data[whole:]
         for token in memoryview(data[:whole]).cast("Q").tolist():
             entry = self._pending.pop(token, None)
-            if entry is not None and not entry[0].done():
-                with contextlib.suppress(RuntimeError):  # its loop was closed meanwhile
-                    entry[0].set_result(entry[1][-1])  # type: ignore[arg-type]
+            if entry is not None:
+                _finish(entry[0], entry[1])
 
     def stop(self) -> None:
         """Let the threads finish every queued batch, then join them (blocks; any thread)."""
@@ -158,12 +154,16 @@ class ReaderPool:
         while len(self._pending) != before:  # every batch is done: its token is in the pipe
             before = len(self._pending)
             self._collect()
-        for future, keep in self._pending.values():
-            if not future.done():
-                with contextlib.suppress(RuntimeError):
-                    future.set_result(keep[-1])  # type: ignore[arg-type]
+        for future, status, _ in self._pending.values():
+            _finish(future, status)
         self._pending.clear()
         os.close(self._read_fd)
         os.close(self._write_fd)
         self._read_fd = self._write_fd = -1
         self._loop = None
+
+
+def _finish(future: asyncio.Future[np.ndarray], status: np.ndarray) -> None:
+    if not future.done():
+        with contextlib.suppress(RuntimeError):  # its loop was closed meanwhile
+            future.set_result(status)

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 PAGE = 4096
 BLOCK_SUFFIX = ".kvb"
 _SUFFIX = BLOCK_SUFFIX.encode()  # (fileread.c builds the block paths)
-_BLOCK_HASH, _GROUP_ID, _NBYTES = attrgetter("block_hash"), attrgetter("group_id"), attrgetter("nbytes")
+_BLOCK_HASH, _NBYTES = attrgetter("block_hash"), attrgetter("nbytes")
 TMP_SUFFIX = ".tmp"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -123,9 +123,11 @@ def _wait_writeback(fd: int) -> None:
         raise OSError(code, f"sync_file_range: {os.strerror(code)}")
 
 
-def _shard_name(hex_hash: str) -> str:
-    """The shard directory of a block: its hash's first byte in hex (``00`` for an empty hash)."""
-    return hex_hash[:2] or "00"
+def _part_cuts(n: int, idle: int) -> list[int]:
+    """Where to cut a batch of ``n`` reads: one part per idle thread (at least one, at most one per 8
+    blocks), as ``[0, ..., n]``."""
+    parts = max(1, min(idle, (n + 7) // 8))
+    return [n * p // parts for p in range(parts + 1)]
 
 
 def _round_up(nbytes: int) -> int:
@@ -191,11 +193,6 @@ class _ShardScan(NamedTuple):
     removed_tmp: int
 
 
-#: a part of a batch queued on the native readers: (its first read's position, block size, the
-#: positions in the part it read, the future of their statuses)
-_NativeJob = tuple[int, int, list[int], "asyncio.Future[np.ndarray]"]
-
-
 class _WarmJob(NamedTuple):
     """A batch for ``fileread.c``: raw blocks of one group, hash length and size (``FileTier._warm_job``)."""
 
@@ -208,6 +205,11 @@ class _WarmJob(NamedTuple):
     outs: np.ndarray  # where each goes (uint64 addresses)
 
 
+#: a part of a batch queued on the native readers: (its first read's position, its job, the future of
+#: its blocks' statuses)
+_NativeJob = tuple[int, _WarmJob, "asyncio.Future[np.ndarray]"]
+
+
 class _Outcome(NamedTuple):
     """What one block's I/O did: ``error`` is ``None`` on success, else the counter it goes to."""
 
@@ -218,6 +220,14 @@ class _Outcome(NamedTuple):
 _NOT_RUN = _Outcome("io")  # placeholder of a job a failed or cancelled batch never ran
 #: the rest of a job, run by its I/O thread once the batch's queue is empty (a synced write's wait)
 _Finish = Callable[[], _Outcome]
+
+
+def _mark_verified(outcomes: list[_Outcome | None], start: int, job: _WarmJob, status: np.ndarray) -> None:
+    """A hit in ``outcomes`` (from ``start``) for each block of ``job`` that ``fileread.c`` verified."""
+    good = _Outcome(None, PAGE + job.size)
+    for i, code in zip(job.picked, status.tolist(), strict=True):
+        if code == 0:
+            outcomes[start + i] = good
 
 
 class FileTier(Tier):
@@ -439,8 +449,8 @@ class FileTier(Tier):
         if queued is not None:
             outcomes = await queued
         else:
-            parts = max(1, min(self._pool_threads[pool] - self._tasks_in_flight[pool], (n + 7) // 8))
-            cuts = [n * p // parts for p in range(parts + 1)]
+            cuts = _part_cuts(n, self._pool_threads[pool] - self._tasks_in_flight[pool])
+            parts = len(cuts) - 1
             loop = asyncio.get_running_loop()
             self._tasks_in_flight[pool] += parts
             futures = [loop.run_in_executor(pool, self._read_warm_part, reads[a:z], addresses[a:z])
@@ -469,8 +479,7 @@ class FileTier(Tier):
         if readers is None:
             return None
         n = len(reads)
-        parts = max(1, min(readers.threads - self._native_jobs_in_flight, (n + 7) // 8))
-        cuts = [n * p // parts for p in range(parts + 1)]
+        cuts = _part_cuts(n, readers.threads - self._native_jobs_in_flight)
         jobs: list[_NativeJob] = []
         for a, z in zip(cuts, cuts[1:], strict=False):
             job = self._warm_job(reads[a:z], addresses[a:z])
@@ -482,7 +491,7 @@ class FileTier(Tier):
                 if not jobs:
                     return None
                 continue  # (this part's blocks are read the long way)
-            jobs.append((a, job.size, job.picked, future))
+            jobs.append((a, job, future))
         return self._native_outcomes(n, jobs)
 
     async def _native_outcomes(self, n: int, jobs: list[_NativeJob]) -> list[_Outcome | None]:
@@ -491,7 +500,7 @@ class FileTier(Tier):
         outcomes: list[_Outcome | None] = [None] * n
         if not jobs:
             return outcomes
-        futures = [future for _, _, _, future in jobs]
+        futures = [future for _, _, future in jobs]
         self._native_jobs_in_flight += len(jobs)
         try:
             statuses = await asyncio.shield(asyncio.gather(*futures))
@@ -500,11 +509,8 @@ class FileTier(Tier):
             raise
         finally:
             self._native_jobs_in_flight -= len(jobs)
-        for (start, size, picked, _), status in zip(jobs, statuses, strict=True):
-            good = _Outcome(None, PAGE + size)
-            for i, code in zip(picked, status.tolist(), strict=True):
-                if code == 0:
-                    outcomes[start + i] = good
+        for (start, job, _), status in zip(jobs, statuses, strict=True):
+            _mark_verified(outcomes, start, job, status)
         return outcomes
 
     def _read_warm_part(self, reads: list[tuple[BlockKey, int, np.ndarray]], addresses: list[int],
@@ -520,10 +526,7 @@ class FileTier(Tier):
         if status is None:
             self._native_reads = False
             return outcomes
-        good = _Outcome(None, PAGE + job.size)
-        for i, code in zip(job.picked, status.tolist(), strict=True):
-            if code == 0:
-                outcomes[i] = good
+        _mark_verified(outcomes, 0, job, status)
         return outcomes
 
     def _warm_job(self, reads: list[tuple[BlockKey, int, np.ndarray]], addresses: list[int],
@@ -536,7 +539,7 @@ class FileTier(Tier):
         keys, sizes, arrays = zip(*reads, strict=True)
         hashes = list(map(_BLOCK_HASH, keys))
         if (sizes.count(raw_size) == len(reads) and set(map(len, hashes)) == {hash_len}
-                and set(map(_GROUP_ID, keys)) == {group} and set(map(_NBYTES, arrays)) == {size}):
+                and all_of_group(keys, group) and set(map(_NBYTES, arrays)) == {size}):
             picked = list(range(len(reads)))  # the usual batch: all raw, of one group and size
             outs = np.array(addresses, dtype=np.uint64)
         else:
@@ -802,9 +805,10 @@ class FileTier(Tier):
         return f"{shard}/{hex_hash}{BLOCK_SUFFIX}"
 
     def _locate(self, key: BlockKey) -> tuple[str, str]:
-        """``(shard directory, hash hex)`` of a key: plain strings, the hot path avoids pathlib."""
+        """``(shard directory, hash hex)`` of a key: plain strings, the hot path avoids pathlib.
+        (``fileread.c``'s ``block_path`` builds the same path for the native reads.)"""
         hex_hash = key.block_hash.hex()
-        return f"{self._directory}/g{key.group_id}/{_shard_name(hex_hash)}", hex_hash
+        return f"{self._directory}/g{key.group_id}/{hex_hash[:2] or '00'}", hex_hash
 
     def _make_dir(self, path: str | Path, parents: bool = False) -> None:
         if parents:
