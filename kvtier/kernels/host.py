@@ -1,12 +1,14 @@
 """Host-side kernels, built at run time with the system C compiler: streaming-store row copies
-(``streamcopy.c``) and a file tier's warm reads a batch per call (``fileread.c``).
+(``streamcopy.c``), a file tier's warm reads a batch per call (``fileread.c``) and a Redis tier's
+raw-block GETs and SETs a run per call (``redisio.c``).
 
 The sources beside this file are compiled once per source and machine into one library in the
 user's cache (``$KVTIER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``) and
 loaded with ctypes, which releases the GIL for each call; Triton builds its launchers the same way.
 Where there is no compiler, the build fails or ``KVTIER_NATIVE=0`` is set, :func:`stream_copy`,
-:func:`stream_scatter` and :func:`read_warm` answer ``False``/``None`` and the caller does the work
-in Python: the helpers make things faster, never different (docs/architecture.md#kernels).
+:func:`stream_scatter`, :func:`read_warm`, :func:`redis_get` and :func:`redis_set` answer
+``False``/``None`` and the caller does the work in Python: the helpers make things faster, never
+different (docs/architecture.md#kernels).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("streamcopy.c", "fileread.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("streamcopy.c", "fileread.c", "redisio.c"))
 #: the compiler's flags: no -march, so a cache shared by different machines of one architecture works
 CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-pthread")
 
@@ -139,6 +141,12 @@ def _load() -> ctypes.CDLL | None:
                                             i64, i64, pointer, pointer, ctypes.c_uint64]
             lib.kvt_pool_stop.restype = None
             lib.kvt_pool_stop.argtypes = [pointer]
+            lib.kvt_redis_get.restype = i64
+            lib.kvt_redis_get.argtypes = [i64, i64, text, pointer, pointer, pointer, i64, text, i64, i64, i64,
+                                          pointer, pointer, i64, pointer, pointer]
+            lib.kvt_redis_set.restype = i64
+            lib.kvt_redis_set.argtypes = [i64, i64, text, pointer, pointer, pointer, text, i64, i64, text,
+                                          i64, i64, i64, pointer, pointer, i64, pointer, pointer]
             _lib, _streaming, _xxh3 = lib, bool(lib.kvt_streaming()), _xxh3_functions()
         except subprocess.CalledProcessError as exc:
             unavailable_reason = f"building the host helpers failed: {exc.stderr.strip()[-500:]}"
@@ -256,3 +264,76 @@ def check_batch(hashes: bytes, hash_len: int, outs: np.ndarray, expected: bytes,
         raise ValueError(f"read_warm: {len(hashes)} hash bytes of {hash_len} each, outs {outs.dtype}"
                          f"{outs.shape}, {len(expected)} header bytes of {header_size} each, chunk {chunk}")
     return n
+
+
+#: ``redisio.c``'s statuses: a GET's value read and verified, absent, corrupt (header right, checksum
+#: wrong); a request to send again the long way (a value it does not decide); not done (not sent, or
+#: the connection failed); refused (the call's first error reply, whose text is returned).
+REDIS_OK, REDIS_ABSENT, REDIS_CORRUPT, REDIS_AGAIN, REDIS_NOT_DONE, REDIS_REFUSED = range(6)
+#: ``redisio.c``'s failures (a negative return): the connection is no longer usable.
+REDIS_FAILURES = {-1: "timeout", -2: "closed", -3: "protocol", -4: "no memory"}
+_MAX_HEADER = 512
+_REFUSAL_ROOM = 512
+
+
+def redis_available() -> bool:
+    """Whether :func:`redis_get` and :func:`redis_set` can run (the library built, XXH3 found)."""
+    return reads_available()
+
+
+def _stop_flag(stop: np.ndarray) -> int:
+    if stop.dtype != np.int32 or stop.shape != (1,):
+        raise ValueError(f"stop must be one int32, got {stop.dtype}{stop.shape}")
+    return int(stop.ctypes.data)
+
+
+def _redis_batch(keys: list[bytes], addresses: np.ndarray, sizes: np.ndarray, expected: bytes,
+                 header_size: int) -> tuple[bytes, np.ndarray, int]:
+    n = len(keys)
+    if (addresses.dtype != np.uint64 or addresses.shape != (n,) or sizes.dtype != np.int64
+            or sizes.shape != (n,) or len(expected) != n * header_size or not 0 < header_size <= _MAX_HEADER):
+        raise ValueError(f"redis batch: {n} keys, addresses {addresses.dtype}{addresses.shape}, sizes "
+                         f"{sizes.dtype}{sizes.shape}, {len(expected)} header bytes of {header_size} each")
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(key) for key in keys], out=offsets[1:])
+    return b"".join(keys), offsets, n
+
+
+def redis_get(fd: int, keys: list[bytes], outs: np.ndarray, sizes: np.ndarray, chunk: int, expected: bytes,
+              header_size: int, checksum_offset: int, depth: int, stop: np.ndarray,
+              ) -> tuple[int, np.ndarray, str] | None:
+    """GET ``keys`` on the connected socket ``fd`` (blocking, kernel timeouts, nothing buffered), value
+    ``i`` (``header ‖ sizes[i]`` raw bytes) into address ``outs[i]``, its header compared with
+    ``expected[i * header_size:]`` (checksum field zeroed), ``depth`` requests in flight, the payload
+    received and hashed ``chunk`` bytes at a time; no request is sent once ``stop`` (one ``int32``, set
+    by another thread) is non-zero. Returns (0, 1 after an error reply or a negative
+    failure; an ``int32`` status per key, ``REDIS_*``; the error reply's text or ""); None where the
+    helper is unavailable."""
+    lib = _lib if _tried else _load()
+    if lib is None or _xxh3 is None:
+        return None
+    blob, offsets, n = _redis_batch(keys, outs, sizes, expected, header_size)
+    status = np.empty(n, dtype=np.int32)
+    refusal = ctypes.create_string_buffer(_REFUSAL_ROOM)
+    rc = lib.kvt_redis_get(fd, n, blob, offsets.ctypes.data, outs.ctypes.data, sizes.ctypes.data, chunk,
+                           expected, header_size, checksum_offset, depth, status.ctypes.data,
+                           ctypes.addressof(refusal), _REFUSAL_ROOM, _stop_flag(stop), _xxh3)
+    return int(rc), status, refusal.value.decode("utf-8", "replace")
+
+
+def redis_set(fd: int, keys: list[bytes], srcs: np.ndarray, sizes: np.ndarray, expected: bytes,
+              header_size: int, checksum_offset: int, tail: bytes, nargs: int, depth: int, stop: np.ndarray,
+              ) -> tuple[int, np.ndarray, str] | None:
+    """SET each of ``keys`` to ``header ‖ payload`` on ``fd``: the payload is ``sizes[i]`` bytes at address
+    ``srcs[i]``, the header ``expected[i * header_size:]`` with the checksum computed here; ``tail``
+    (e.g. ``PX`` and its value, ``nargs`` 5) follows each value. Returns as :func:`redis_get`."""
+    lib = _lib if _tried else _load()
+    if lib is None or _xxh3 is None:
+        return None
+    blob, offsets, n = _redis_batch(keys, srcs, sizes, expected, header_size)
+    status = np.empty(n, dtype=np.int32)
+    refusal = ctypes.create_string_buffer(_REFUSAL_ROOM)
+    rc = lib.kvt_redis_set(fd, n, blob, offsets.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, expected,
+                           header_size, checksum_offset, tail, len(tail), nargs, depth, status.ctypes.data,
+                           ctypes.addressof(refusal), _REFUSAL_ROOM, _stop_flag(stop), _xxh3)
+    return int(rc), status, refusal.value.decode("utf-8", "replace")

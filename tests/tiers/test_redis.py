@@ -29,8 +29,9 @@ except ImportError:  # the `redis` extra is missing
 from redis.crc import key_slot
 
 from kvtier.blocks import BlockKey
-from kvtier.codec import HEADER_SIZE
+from kvtier.codec import HEADER_SIZE, encode_block
 from kvtier.errors import LayoutMismatch
+from kvtier.kernels import host
 from kvtier.layout import BlockLayout
 from kvtier.tiers.redis import CircuitBreaker, CircuitBreakerConfig, RedisTier
 from tests.tiers.conftest import make_test_certificates
@@ -69,6 +70,18 @@ FAST_BREAKER = CircuitBreakerConfig(failures=2, cooldown_seconds=0.3)
 
 
 MakeTier = Callable[..., RedisTier]
+
+
+@pytest.fixture(autouse=True, params=["native client", "python client"])
+def client(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs twice: raw GETs and SETs through the native helper (kvtier/kernels/redisio.c),
+    and with the helper reported missing (every request through the Python client)."""
+    if request.param == "native client":
+        if not host.redis_available():
+            pytest.skip(f"the native helper is unavailable: {host.unavailable_reason}")
+    else:
+        monkeypatch.setattr(host, "redis_available", lambda: False)
+    return str(request.param)
 
 
 @pytest.fixture()
@@ -324,6 +337,100 @@ def test_one_connection_stays_in_step_through_odd_replies(redis_url: str, namesp
     again = empty_like_blocks(SMALL_256, n)
     assert asyncio.run(tier.get(keys, again)) == [True] * n
     assert all(torch.equal(a, b) for a, b in zip(blocks, again, strict=True))
+
+
+def test_stored_values_are_the_codecs_bytes(redis_url: str, namespace: str, client: str,
+                                            make_tier: MakeTier) -> None:
+    """Whichever client stores it (native or Python), a value is exactly the codec's encoding, TTL and
+    all: any kvtier version or process reads it, and the native client is not a format of its own."""
+    tier = make_tier("r", {0: SMALL, 1: SMALL_256}, namespace=namespace, url=redis_url, ttl_seconds=30)
+    keys = keys_for(3) + keys_for(2, group=1)
+    blocks = kv_like(SMALL, 3) + kv_like(SMALL_256, 2, seed=3)
+    assert asyncio.run(tier.put(keys, blocks)) == [True] * 5
+    assert tier._native is (client == "native client")
+    redis_client = sync_client(redis_url)
+    for key, block in zip(keys, blocks, strict=True):
+        header, payload = encode_block(key, tier.layouts[key.group_id].fingerprint(), block.numpy(),
+                                       namespace_fp=tier.namespace_fp)
+        assert redis_client.get(tier.redis_key(key)) == bytes(header) + bytes(payload)
+        assert 0 < redis_client.pttl(tier.redis_key(key)) <= 30_000
+    assert tier.counters.blocks_written == 5
+    assert tier.counters.bytes_written == (3 * (HEADER_SIZE + SMALL.nbytes)
+                                           + 2 * (HEADER_SIZE + SMALL_256.nbytes))
+
+
+def test_compressed_values_are_read_by_an_uncompressed_tier(redis_url: str, namespace: str,
+                                                            make_tier: MakeTier) -> None:
+    """A tier with ``compression: none`` reads what an lz4 tier of the namespace stored: the native
+    client hands such values back and the Python client decodes them (hits, bit-exact, no error)."""
+    writer = make_tier("w", {0: SMALL}, namespace=namespace, url=redis_url, compression="lz4")
+    reader = make_tier("r", {0: SMALL}, namespace=namespace, url=redis_url, max_connections=1)
+    keys, blocks = keys_for(6), compressible(SMALL, 6)
+    plain = kv_like(SMALL, 6, seed=4)
+    assert asyncio.run(writer.put(keys[:3], blocks[:3])) == [True] * 3
+    assert asyncio.run(reader.put(keys[3:], plain[3:])) == [True] * 3
+    out = empty_like_blocks(SMALL, 6)
+    assert asyncio.run(reader.get(keys, out)) == [True] * 6
+    assert all(torch.equal(out[i], blocks[i]) for i in range(3))
+    assert all(torch.equal(out[i], plain[i]) for i in range(3, 6))
+    assert reader.counters.errors == {}
+
+
+def test_a_reply_that_is_not_resp_fails_the_connection_not_the_caller(make_tier: MakeTier) -> None:
+    """A server that answers a GET or SET with an array (no Redis does): every block of the run is a
+    miss or ``False``, counted as a protocol error; the next batch connects afresh and fails the same."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(5)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    while conn.recv(1 << 20):
+                        conn.sendall(b"*1\r\n:1\r\n")
+                except OSError:
+                    pass
+
+    import threading
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    tier = make_tier("r", {0: SMALL}, namespace="garbage", url=f"redis://127.0.0.1:{port}/0",
+                     circuit_breaker=CircuitBreakerConfig(failures=100, cooldown_seconds=0),
+                     max_connections=1)
+    keys = keys_for(4)
+    try:
+        assert asyncio.run(tier.get(keys, empty_like_blocks(SMALL, 4))) == [False] * 4
+        assert asyncio.run(tier.put(keys, kv_like(SMALL, 4))) == [False] * 4
+        assert tier.counters.errors == {"protocol": 2}
+    finally:
+        listener.close()
+        thread.join(5)
+
+
+def test_native_helper_checks_its_arguments(client: str) -> None:
+    """The helper's Python side names what does not agree instead of handing C a wrong length."""
+    if client != "native client":
+        pytest.skip("a check of the native helper itself")
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"2 keys, addresses uint64\(1,\)"):
+        host.redis_get(0, [b"a", b"b"], np.zeros(1, np.uint64), np.zeros(2, np.int64), 4096,
+                       bytes(2 * HEADER_SIZE), HEADER_SIZE, 40, 1, np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match="128 header bytes of 128 each"):
+        host.redis_set(0, [b"a", b"b"], np.zeros(2, np.uint64), np.zeros(2, np.int64), bytes(HEADER_SIZE),
+                       HEADER_SIZE, 40, b"", 3, 1, np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match=r"stop must be one int32, got int64\(1,\)"):
+        host.redis_get(0, [b"a"], np.zeros(1, np.uint64), np.zeros(1, np.int64), 4096, bytes(HEADER_SIZE),
+                       HEADER_SIZE, 40, 1, np.zeros(1, np.int64))
 
 
 def test_a_key_overwritten_with_another_length_is_a_miss_then_a_hit(redis_url: str, namespace: str,

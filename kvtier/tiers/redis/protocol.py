@@ -89,6 +89,16 @@ class Connection:
         self._end = 0
         #: True once the connection went back to the pool (it may have gone stale since).
         self.reused = False
+        #: The socket's descriptor where the native helper may use it (plain TCP, blocking, kernel timeouts).
+        self.kernel_timeouts = False
+
+    @property
+    def native_fd(self) -> int | None:
+        """The descriptor for ``kvtier/kernels/redisio.c``, or None: TLS, no kernel timeouts, or bytes
+        buffered here (the helper must start at a reply's first byte)."""
+        if not self.kernel_timeouts or self._start != self._end:
+            return None
+        return self._sock.fileno()
 
     def close(self) -> None:
         self._sock.close()
@@ -365,20 +375,22 @@ class Connector:
                 conn.send((b"".join(setup),))
                 for _ in setup:
                     conn.read_simple()
-            self._set_io_timeout(sock)
+            conn.kernel_timeouts = self._set_io_timeout(sock)
         except BaseException:
             sock.close()
             raise
         return conn
 
-    def _set_io_timeout(self, sock: socket.socket) -> None:
+    def _set_io_timeout(self, sock: socket.socket) -> bool:
+        """Whether the socket got kernel timeouts (else Python's socket timeout bounds each call)."""
         if isinstance(sock, ssl.SSLSocket):
             sock.settimeout(self.timeout)
-            return
+            return False
         try:  # blocking mode with kernel timeouts: recv(MSG_WAITALL) then fills a payload in one call
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout))
         except OSError:
             sock.settimeout(self.timeout)
-        else:
-            sock.settimeout(None)
+            return False
+        sock.settimeout(None)
+        return True

@@ -7,6 +7,8 @@ loop reads the outcome afterwards (``ok``, ``error``, ``redirect``) and owns cou
 
 Encoding (checksum, lz4) and decoding run on these threads, which release the GIL in the socket
 calls, lz4 and the checksum. A GET's raw payload lands in the caller's memory with no copy between.
+Where the native helper is built (``kvtier/kernels/redisio.c``), a thread hands a run of raw GETs or
+SETs to it in one call that holds no GIL; what the helper does not decide is sent again here.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, NamedTuple, cast
 
 import numpy as np
 
 from kvtier.blocks import BlockKey
 from kvtier.codec import (
+    CHECKSUM_OFFSET,
     HEADER_SIZE,
     BlockHeader,
     PayloadChecksum,
@@ -32,6 +35,7 @@ from kvtier.codec import (
     verify_payload,
 )
 from kvtier.errors import CorruptBlock
+from kvtier.kernels import host
 from kvtier.tiers.redis.protocol import (
     CRLF,
     Addr,
@@ -49,6 +53,9 @@ _ASKING = command(b"ASKING")
 #: A GET's raw payload is received and hashed in pieces of this size: each is hashed right after it
 #: lands, while it is in the CPU cache, instead of reading the whole block back from memory after.
 _HASH_PIECE = 256 * 1024
+#: Requests one call of the native helper runs at most (a stream takes its share of the queue in
+#: runs of up to this many, so the node's streams stay balanced).
+_NATIVE_RUN = 16
 
 
 class Op:
@@ -111,6 +118,10 @@ class Op:
         self.error = None
         self.redirect = None
 
+    def settle_native(self, code: int) -> bool:
+        """Take the native helper's status for this request (``host.REDIS_*``); False: not decided."""
+        raise NotImplementedError
+
 
 class ExistsOp(Op):
     __slots__ = ()
@@ -136,13 +147,16 @@ class UnlinkOp(Op):
 class SetOp(Op):
     """SET of ``header ‖ payload``; the value is encoded (checksum, lz4) on the I/O thread."""
 
-    __slots__ = ("raw", "fingerprint", "namespace_fp", "itemsize", "compress", "ttl_args", "value_bytes")
+    __slots__ = ("raw", "fingerprint", "namespace_fp", "itemsize", "compress", "ttl_args", "value_bytes",
+                 "raw_headers")
     large = True
 
     def __init__(self, index: int, key: BlockKey, rkey: bytes, raw: np.ndarray, fingerprint: int,
-                 itemsize: int, compress: bool, ttl_args: bytes, namespace_fp: int) -> None:
+                 itemsize: int, compress: bool, ttl_args: bytes, namespace_fp: int,
+                 raw_headers: RawHeaders) -> None:
         super().__init__(index, key, rkey)
         self.raw = raw
+        self.raw_headers = raw_headers
         self.fingerprint = fingerprint
         self.namespace_fp = namespace_fp
         self.itemsize = itemsize
@@ -161,6 +175,13 @@ class SetOp(Op):
 
     def read_reply(self, conn: Connection) -> None:
         self.ok = conn.read_simple() == b"OK"
+
+    def settle_native(self, code: int) -> bool:
+        if code != host.REDIS_OK:
+            return False
+        self.ok = True
+        self.value_bytes = HEADER_SIZE + self.raw.nbytes
+        return True
 
 
 class GetOp(Op):
@@ -230,6 +251,18 @@ class GetOp(Op):
             return
         self.ok = True
 
+    def settle_native(self, code: int) -> bool:
+        if code == host.REDIS_ABSENT:
+            return True
+        if code not in (host.REDIS_OK, host.REDIS_CORRUPT):
+            return False
+        self.value_bytes = HEADER_SIZE + self.out.nbytes
+        if code == host.REDIS_OK:
+            self.ok = True
+        else:
+            self._corrupt(f"checksum mismatch for {self.key}")
+        return True
+
     def _read_other(self, conn: Connection, size: int) -> None:
         """The rest of a value that is not this key's raw block: a compressed block, or a miss."""
         try:
@@ -277,13 +310,88 @@ class GetOp(Op):
         self.error = "corrupt"
 
 
+class NativeOutcome(NamedTuple):
+    """What one call of the native helper left to do (the ops it decided are settled already)."""
+
+    #: replies read but not decided there (a compressed or foreign value): sent again the long way
+    again: list[Op]
+    #: not sent, or no reply read: their outcome is unknown
+    not_done: list[Op]
+    #: the call's first error reply (it sent nothing after it), for the caller to classify
+    refused: tuple[Op, ReplyError] | None
+    #: the connection failed, as the error the Python client raises for it
+    failure: OSError | None
+
+
+def run_native(fd: int, ops: list[Op], depth: int, stop: np.ndarray) -> NativeOutcome:
+    """Run raw GETs or SETs (all one kind, all :func:`native_ready`) on the socket ``fd`` in one call of
+    the native helper (``kvtier/kernels/redisio.c``); the ops it decided are settled on return."""
+    keys = [op.rkey for op in ops]
+    if isinstance(ops[0], GetOp):
+        gets = cast("list[GetOp]", ops)
+        addresses, sizes = _addresses([op.out for op in gets])
+        expected = b"".join([op.raw_headers.of(op.key) for op in gets])
+        result = host.redis_get(fd, keys, addresses, sizes, _HASH_PIECE, expected, HEADER_SIZE,
+                                CHECKSUM_OFFSET, depth, stop)
+    else:
+        sets = cast("list[SetOp]", ops)
+        addresses, sizes = _addresses([op.raw for op in sets])
+        expected = b"".join([op.raw_headers.of(op.key) for op in sets])
+        tail = sets[0].ttl_args
+        result = host.redis_set(fd, keys, addresses, sizes, expected, HEADER_SIZE, CHECKSUM_OFFSET, tail,
+                                5 if tail else 3, depth, stop)
+    if result is None:  # the helper went away (it does not, once loaded): all of them the long way
+        return NativeOutcome(list(ops), [], None, None)
+    rc, status, refusal = result
+    again: list[Op] = []
+    not_done: list[Op] = []
+    refused: tuple[Op, ReplyError] | None = None
+    for op, code in zip(ops, status.tolist(), strict=True):
+        if code == host.REDIS_NOT_DONE:
+            not_done.append(op)
+        elif code == host.REDIS_REFUSED:
+            refused = (op, ReplyError(refusal))
+        elif not op.settle_native(code):
+            again.append(op)
+    failure: OSError | None = None
+    if rc < 0:
+        what = f"native redis client: {host.REDIS_FAILURES.get(rc, f'error {rc}')}"
+        failure = (TimeoutError(what) if rc == -1 else ProtocolError(what) if rc == -3
+                   else ConnectionError(what))
+    return NativeOutcome(again, not_done, refused, failure)
+
+
+def _addresses(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The arrays' addresses (``uint64``) and sizes in bytes (``int64``), for the native helper."""
+    return (np.array([array.ctypes.data for array in arrays], dtype=np.uint64),
+            np.array([array.nbytes for array in arrays], dtype=np.int64))
+
+
+def native_ready(op: Op) -> bool:
+    """Whether the native helper can run ``op``: a raw GET into, or SET from, contiguous host memory."""
+    if op.asking:
+        return False
+    if isinstance(op, GetOp):
+        return bool(op.out.flags.c_contiguous and op.out.flags.writeable)
+    if isinstance(op, SetOp):
+        return not op.compress and bool(op.raw.flags.c_contiguous)
+    return False
+
+
 class NodeRun:
-    """One batch's share on one node, shared by its I/O threads (deque and attribute writes are atomic)."""
+    """One batch's share on one node, shared by its I/O threads (deque and attribute writes are atomic).
 
-    __slots__ = ("queue", "errors", "detail", "failed", "succeeded", "cancelled")
+    ``native``: its requests may go to the native helper (raw GETs or SETs, the helper built).
+    """
 
-    def __init__(self, ops: Sequence[Op]) -> None:
+    __slots__ = ("queue", "errors", "detail", "failed", "succeeded", "cancelled", "native", "native_run",
+                 "stop")
+
+    def __init__(self, ops: Sequence[Op], native: bool = False, streams: int = 1) -> None:
         self.queue: deque[Op] = deque(ops)
+        self.native = native
+        #: requests a stream hands to the native helper at once: its share of the queue, at most _NATIVE_RUN
+        self.native_run = max(1, min(_NATIVE_RUN, -(-len(ops) // max(1, streams))))
         #: Connection-level errors (counter names), counted by the event loop afterwards.
         self.errors: list[str] = []
         #: What went wrong last, for the log line when the node's breaker opens.
@@ -291,6 +399,8 @@ class NodeRun:
         self.failed = False
         self.succeeded = False
         self.cancelled = False
+        #: set with ``failed`` or ``cancelled``: the native helper sends nothing more once it is non-zero
+        self.stop = np.zeros(1, dtype=np.int32)
 
     @property
     def stopped(self) -> bool:
@@ -300,6 +410,22 @@ class NodeRun:
         self.errors.append(kind)
         self.detail = f"{kind}: {detail}"
         self.failed = True
+        self.stop[0] = 1
+
+    def cancel(self) -> None:
+        """The caller gave up: the streams stop after the requests already sent."""
+        self.cancelled = True
+        self.stop[0] = 1
+
+    def take(self, most: int) -> list[Op]:
+        """Up to ``most`` queued requests (other streams take from the same queue at once)."""
+        taken: list[Op] = []
+        try:
+            while len(taken) < most:
+                taken.append(self.queue.popleft())
+        except IndexError:
+            pass
+        return taken
 
 
 def run_stream(pool: Pool, run: NodeRun, depth: int, first: bool, wait_seconds: float) -> None:
@@ -331,30 +457,42 @@ def run_stream(pool: Pool, run: NodeRun, depth: int, first: bool, wait_seconds: 
 
 
 def _drive(conn: Connection, pool: Pool, run: NodeRun, depth: int) -> bool:
-    """Run queued requests on ``conn``, ``depth`` in flight; True when the stream should reconnect."""
+    """Run queued requests on ``conn``, ``depth`` in flight; True when the stream should reconnect.
+
+    With ``run.native`` and a plain socket, queued requests go to the native helper a run at a time;
+    those it hands back (and any it cannot take) are sent here, the long way, on the same connection.
+    """
     inflight: deque[Op] = deque()
+    again: deque[Op] = deque()
+    fd = conn.native_fd if run.native else None
     reusable = False
     try:
         while True:
             while not run.stopped and len(inflight) < depth:
-                try:
-                    op = run.queue.popleft()
-                except IndexError:
-                    break
+                if again:
+                    op = again.popleft()
+                elif fd is not None:
+                    if inflight or not _native_step(fd, run, depth, inflight, again):
+                        break
+                    continue
+                else:
+                    try:
+                        op = run.queue.popleft()
+                    except IndexError:
+                        break
                 inflight.append(op)
                 op.send(conn)
             if not inflight:
                 break
-            try:
-                inflight[0].receive(conn)
-            except ReplyError as exc:  # auth refused on a command: as with a wrong password, the node fails
-                for pending in inflight:
-                    pending.reset()
-                run.fail("auth", f"{exc.message} (is the password missing from the url or password key?)")
-                return False
+            inflight[0].receive(conn)
             inflight.popleft()
             run.succeeded = True
         reusable = True
+        return False
+    except ReplyError as exc:  # auth refused on a command: as with a wrong password, the node fails
+        for pending in inflight:
+            pending.reset()
+        run.fail("auth", f"{exc.message} (is the password missing from the url or password key?)")
         return False
     except OSError as exc:  # timeouts, resets, EOF, TLS errors and protocol errors are all OSErrors
         kind = "timeout" if isinstance(exc, TimeoutError) else (
@@ -375,3 +513,36 @@ def _drive(conn: Connection, pool: Pool, run: NodeRun, depth: int) -> bool:
     finally:
         pool.release(conn, reusable)
 
+
+def _native_step(fd: int, run: NodeRun, depth: int, inflight: deque[Op], again: deque[Op]) -> bool:
+    """Take a run of queued requests and hand it to the native helper; False when the queue was empty.
+
+    What the helper did not decide joins ``again``; the requests after an error reply go back to the
+    front of the queue. On a failed connection or an auth error, every request not settled is put in
+    ``inflight`` (for ``_drive``'s handlers) and the error is raised.
+    """
+    batch = run.take(run.native_run)
+    if not batch:
+        return False
+    ready = [op for op in batch if native_ready(op)]
+    again.extend(op for op in batch if not native_ready(op))
+    if not ready:
+        return True
+    outcome = run_native(fd, ready, depth, run.stop)
+    run.succeeded = run.succeeded or len(outcome.not_done) < len(ready)
+    again.extend(outcome.again)
+    stop: OSError | ReplyError | None = outcome.failure
+    if outcome.refused is not None:
+        op, exc = outcome.refused
+        if exc.kind == "auth" and stop is None:
+            stop = exc
+            again.append(op)
+        else:
+            op.reply_error(exc)
+    if stop is not None:
+        inflight.extend(again)
+        inflight.extend(outcome.not_done)
+        again.clear()
+        raise stop
+    run.queue.extendleft(reversed(outcome.not_done))
+    return True

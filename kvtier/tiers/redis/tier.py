@@ -25,6 +25,7 @@ from kvtier.blocks import BlockKey
 from kvtier.codec import MAX_HASH_BYTES, RawHeaders
 from kvtier.errors import LayoutMismatch
 from kvtier.hashing import namespace_fingerprint
+from kvtier.kernels import host
 from kvtier.layout import BlockLayout
 from kvtier.logs import LogLimiter
 from kvtier.tiers.base import Tier
@@ -124,6 +125,8 @@ class RedisTier(Tier):
         self._breakers: dict[Addr | str, CircuitBreaker] = {}
         self._open_nodes: set[object] = set()
         self._executor: ThreadPoolExecutor | None = None
+        #: raw GETs and SETs through kvtier/kernels/redisio.c (decided on first use; docs/redis.md)
+        self._native: bool | None = None
         self._topology_stale = True
         self._topology_tried_at = float("-inf")
 
@@ -153,7 +156,8 @@ class RedisTier(Tier):
         start = time.perf_counter()
         compress = self.compression == "lz4"
         ops = [SetOp(i, key, self.redis_key(key), arrays[i], self._fingerprints[key.group_id],
-                     self._itemsizes[key.group_id], compress, self._ttl_args, self.namespace_fp)
+                     self._itemsizes[key.group_id], compress, self._ttl_args, self.namespace_fp,
+                     self._raw_headers[key.group_id])
                for key, i in last.items()]
         await self._execute(ops)
         for op in ops:
@@ -249,6 +253,13 @@ class RedisTier(Tier):
             self._executor = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-redis-{self.name}")
         return self._executor
 
+    def _native_io(self) -> bool:
+        """Whether raw GETs and SETs go through the native helper: built (``KVTIER_NATIVE`` not 0), no
+        compression (lz4 values are encoded here) and no TLS (the helper speaks to a plain socket)."""
+        if self._native is None:
+            self._native = self.compression == "none" and not self.tls and host.redis_available()
+        return self._native
+
     def _pool(self, addr: Addr) -> Pool:
         pool = self._pools.get(addr)
         if pool is None:
@@ -295,9 +306,9 @@ class RedisTier(Tier):
         if not breaker.allow():
             self.counters.error("circuit_open", len(ops))
             return
-        run = NodeRun(ops)
         large = ops[0].large
         streams = min(len(ops), _STREAMS_PER_NODE, self.max_connections) if large else 1
+        run = NodeRun(ops, native=large and self._native_io(), streams=streams)
         depth = _PIPELINE_DEPTH if large else _SMALL_DEPTH
         pool = self._pool(addr)
         loop = asyncio.get_running_loop()
@@ -308,7 +319,7 @@ class RedisTier(Tier):
             try:
                 outcomes = await asyncio.shield(asyncio.gather(*futures, return_exceptions=True))
             except asyncio.CancelledError:
-                run.cancelled = True  # the threads stop after their current request …
+                run.cancel()  # the threads stop after the requests they sent …
                 await asyncio.wait(futures)  # … and nothing touches the caller's buffers after we return
                 raise
             for outcome in outcomes:  # only a bug gets here: I/O faults were turned into errors already
