@@ -10,7 +10,9 @@ one head per rank, where per-request costs show) moves ``--mib`` MiB of blocks i
 passes, with the spread, for:
 
 - the Redis tier, without and with lz4, on KV-like data: random-normal fp16 (lz4 finds nothing to
-  compress, so it only pays for trying) and random-normal bf16 (byte-shuffled lz4 saves ~16 %);
+  compress, so it only pays for trying) and random-normal bf16 (byte-shuffled lz4 saves ~16 %); the
+  fp16 row without lz4 also with the native helper off (every request through the tier's Python
+  RESP client, as with ``KVTIER_NATIVE=0``);
 - raw redis-py (hiredis) SET/GET of the same fp16 bytes: pipelined per batch, and each batch
   overlapped over a pool of 4 connections. Raw GET results stay ``bytes`` objects (no copy into
   tensors, no checksum), which favours the baseline;
@@ -101,10 +103,13 @@ class TierClient:
     """The Redis tier: put all blocks, get them back into tensors, check them, delete them."""
 
     def __init__(self, url: str, data: str, layout: BlockLayout, blocks: list[torch.Tensor],
-                 keys: list[BlockKey], batch: int, compression: Compression) -> None:
+                 keys: list[BlockKey], batch: int, compression: Compression, native: bool = True) -> None:
         self.block_bytes = layout.nbytes
-        self.row = Row(f"RedisTier compression={compression}", f"{data} randn")
+        client = "" if native else ", Python client"
+        self.row = Row(f"RedisTier compression={compression}{client}", f"{data} randn")
         self.tier = RedisTier("bench", {0: layout}, namespace=NAMESPACE, url=url, compression=compression)
+        if not native:  # the tier's own baseline: every request through its Python RESP client
+            self.tier._native = False
         self.blocks = blocks
         self.keys = keys
         self.out = [torch.empty(layout.nbytes, dtype=torch.uint8) for _ in blocks]
@@ -314,6 +319,7 @@ async def one_size(args: argparse.Namespace, layouts: dict[str, BlockLayout]) ->
         RedisPyClient(args.url, fp16, keys, args.batch, connections=0),
         RedisPyClient(args.url, fp16, keys, args.batch, connections=4),
         TierClient(args.url, "fp16", layouts["fp16"], fp16, keys, args.batch, "none"),
+        TierClient(args.url, "fp16", layouts["fp16"], fp16, keys, args.batch, "none", native=False),
         TierClient(args.url, "fp16", layouts["fp16"], fp16, keys, args.batch, "lz4"),
         TierClient(args.url, "bf16", layouts["bf16"], bf16, keys, args.batch, "none"),
         TierClient(args.url, "bf16", layouts["bf16"], bf16, keys, args.batch, "lz4"),
