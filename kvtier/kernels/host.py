@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -313,12 +314,8 @@ def redis_get(fd: int, keys: list[bytes], outs: np.ndarray, sizes: np.ndarray, c
     if lib is None or _xxh3 is None:
         return None
     blob, offsets, n = _redis_batch(keys, outs, sizes, expected, header_size)
-    status = np.empty(n, dtype=np.int32)
-    refusal = ctypes.create_string_buffer(_REFUSAL_ROOM)
-    rc = lib.kvt_redis_get(fd, n, blob, offsets.ctypes.data, outs.ctypes.data, sizes.ctypes.data, chunk,
-                           expected, header_size, checksum_offset, depth, status.ctypes.data,
-                           ctypes.addressof(refusal), _REFUSAL_ROOM, _stop_flag(stop), _xxh3)
-    return int(rc), status, refusal.value.decode("utf-8", "replace")
+    return _redis_call(lib.kvt_redis_get, n, stop, fd, n, blob, offsets.ctypes.data, outs.ctypes.data,
+                       sizes.ctypes.data, chunk, expected, header_size, checksum_offset, depth)
 
 
 def redis_set(fd: int, keys: list[bytes], srcs: np.ndarray, sizes: np.ndarray, expected: bytes,
@@ -331,9 +328,15 @@ def redis_set(fd: int, keys: list[bytes], srcs: np.ndarray, sizes: np.ndarray, e
     if lib is None or _xxh3 is None:
         return None
     blob, offsets, n = _redis_batch(keys, srcs, sizes, expected, header_size)
+    return _redis_call(lib.kvt_redis_set, n, stop, fd, n, blob, offsets.ctypes.data, srcs.ctypes.data,
+                       sizes.ctypes.data, expected, header_size, checksum_offset, tail, len(tail), nargs,
+                       depth)
+
+
+def _redis_call(entry: Any, n: int, stop: np.ndarray, *args: object) -> tuple[int, np.ndarray, str]:
+    """Call ``entry`` with ``args`` and the arguments every redisio.c call ends with: (its return, the
+    statuses, the error reply's text)."""
     status = np.empty(n, dtype=np.int32)
     refusal = ctypes.create_string_buffer(_REFUSAL_ROOM)
-    rc = lib.kvt_redis_set(fd, n, blob, offsets.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, expected,
-                           header_size, checksum_offset, tail, len(tail), nargs, depth, status.ctypes.data,
-                           ctypes.addressof(refusal), _REFUSAL_ROOM, _stop_flag(stop), _xxh3)
+    rc = entry(*args, status.ctypes.data, ctypes.addressof(refusal), _REFUSAL_ROOM, _stop_flag(stop), _xxh3)
     return int(rc), status, refusal.value.decode("utf-8", "replace")

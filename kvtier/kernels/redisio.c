@@ -253,17 +253,31 @@ static int send_get(int fd, const uint8_t *key, size_t key_len) {
     return send_all(fd, iov, 3);
 }
 
-static int start_hasher(struct hasher *h, void *const *fns) {
+/* A call's receive buffer over fd and its hash state; NULL if no memory. */
+static struct conn *start_run(int64_t fd, struct hasher *h, void *const *fns) {
+    struct conn *c = malloc(sizeof *c);
+    if (c == NULL) return NULL;
     h->state = ((xxh_create_fn)fns[0])();
+    if (h->state == NULL) {
+        free(c);
+        return NULL;
+    }
     h->reset = (xxh_reset_fn)fns[2];
     h->update = (xxh_update_fn)fns[3];
     h->digest = (xxh_digest_fn)fns[4];
-    return h->state == NULL ? E_MEMORY : 0;
+    c->fd = (int)fd;
+    c->start = c->end = 0;
+    return c;
+}
+
+static void end_run(struct conn *c, struct hasher *h, void *const *fns) {
+    ((xxh_free_fn)fns[1])(h->state);
+    free(c);
 }
 
 /* GET n keys (key i: keys[offsets[i]:offsets[i + 1]]) into outs[i] (sizes[i] bytes each), `depth`
  * requests in flight; expected: n headers of header_size bytes, checksum fields zeroed. Every status is
- * set. Returns 0, or a negative error (see the top of this file). */
+ * set. Returns 0, 1 after an error reply, or a negative failure (see the top of this file). */
 int64_t kvt_redis_get(int64_t fd, int64_t n, const uint8_t *keys, const int64_t *offsets, const uint64_t *outs,
                       const int64_t *sizes, int64_t chunk, const uint8_t *expected, int64_t header_size,
                       int64_t checksum_offset, int64_t depth, int32_t *status, char *refusal,
@@ -272,14 +286,9 @@ int64_t kvt_redis_get(int64_t fd, int64_t n, const uint8_t *keys, const int64_t 
     if (chunk <= 0 || depth <= 0 || checksum_offset + 8 > header_size || header_size > 512 || refusal_room < 1)
         return E_PROTOCOL;
     struct refusal r = {refusal, (size_t)refusal_room, 0};
-    struct conn *c = malloc(sizeof *c);
     struct hasher h;
-    if (c == NULL || start_hasher(&h, fns)) {
-        free(c);
-        return E_MEMORY;
-    }
-    c->fd = (int)fd;
-    c->start = c->end = 0;
+    struct conn *c = start_run(fd, &h, fns);
+    if (c == NULL) return E_MEMORY;
     int rc = 0;
     int64_t sent = 0;
     for (int64_t done = 0; rc == 0 && done < n; done++) {
@@ -291,8 +300,7 @@ int64_t kvt_redis_get(int64_t fd, int64_t n, const uint8_t *keys, const int64_t 
         rc = read_get_reply(c, (uint8_t *)(uintptr_t)outs[done], sizes[done], chunk, expected + done * header_size,
                             header_size, checksum_offset, &h, &r, &status[done]);
     }
-    ((xxh_free_fn)fns[1])(h.state);
-    free(c);
+    end_run(c, &h, fns);
     return rc != 0 ? rc : r.seen;
 }
 
@@ -308,14 +316,9 @@ int64_t kvt_redis_set(int64_t fd, int64_t n, const uint8_t *keys, const int64_t 
         refusal_room < 1)
         return E_PROTOCOL;
     struct refusal r = {refusal, (size_t)refusal_room, 0};
-    struct conn *c = malloc(sizeof *c);
     struct hasher h;
-    if (c == NULL || start_hasher(&h, fns)) {
-        free(c);
-        return E_MEMORY;
-    }
-    c->fd = (int)fd;
-    c->start = c->end = 0;
+    struct conn *c = start_run(fd, &h, fns);
+    if (c == NULL) return E_MEMORY;
     uint8_t header[512], end[256];
     end[0] = '\r';
     end[1] = '\n';
@@ -352,7 +355,6 @@ int64_t kvt_redis_set(int64_t fd, int64_t n, const uint8_t *keys, const int64_t 
         else if (len >= 1 && line[0] == '-') refused(&r, line, len, &status[done]);
         else rc = E_PROTOCOL;
     }
-    ((xxh_free_fn)fns[1])(h.state);
-    free(c);
+    end_run(c, &h, fns);
     return rc != 0 ? rc : r.seen;
 }
