@@ -116,6 +116,7 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
         name = escape(tier_name(t, i))
         if t.type == "redis":
             where = ", ".join(t.startup_nodes or []) if t.cluster else redact_url(t.url or "")
+            where += ", " + _redis_client(t, host)
             tiers.add_row(str(i), name, "redis" + (" cluster" if t.cluster else ""),
                           "server maxmemory", "-", "server", t.admission, escape(where))
             continue
@@ -142,6 +143,17 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
     warnings += capacity_warnings(cfg, None if vllm else ns.id)
     out += [f"[yellow]warning[/yellow] {escape(w)}" for w in warnings]
     return out
+
+
+def _redis_client(tier: Any, host: Any) -> str:
+    """Which client moves a Redis tier's blocks (docs/redis.md, "The native client"), and why not native."""
+    if tier.compression != "none":
+        return "Python client (lz4 is encoded in Python)"
+    if (tier.url or "").startswith("rediss://") or tier.tls_ca_file:
+        return "Python client (TLS)"
+    if not host.redis_available():
+        return f"Python client ({host.unavailable_reason or 'xxhash exports no XXH3 functions'})"
+    return "native client"
 
 
 def capacity_warnings(cfg: Any, namespace: str | None) -> list[str]:

@@ -99,6 +99,30 @@ def test_check_never_prints_a_redis_password(tmp_path: Path, capsys: pytest.Capt
     assert "s3cret" not in out and "hunter2" not in out
 
 
+def test_check_says_which_client_moves_redis_blocks(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native client where it can run; otherwise the Python client and the reason."""
+    from rich.console import Console
+
+    import kvtier.cli
+    from kvtier.kernels import host
+
+    monkeypatch.setattr(kvtier.cli, "console", Console(width=250))  # one line per table row
+
+    cfg = tmp_path / "redis.yaml"
+    cfg.write_text("model: {name: m, num_layers: 2, num_kv_heads: 2, head_dim: 8}\n"
+                   "tiers:\n  - {type: cpu, capacity: 1GiB}\n"
+                   "  - {name: r1, type: redis, url: 'redis://127.0.0.1:6379/0'}\n"
+                   "  - {name: r2, type: redis, url: 'redis://127.0.0.1:6380/0', compression: lz4}\n"
+                   "  - {name: r3, type: redis, url: 'rediss://127.0.0.1:6381/0'}\n")
+    assert main(["check", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    first = "native client" if host.redis_available() else "Python client ("
+    assert first in out
+    assert "Python client (lz4 is encoded in Python)" in out
+    assert "Python client (TLS)" in out
+
+
 @pytest.mark.parametrize("command", ["demo", "check", "stats", "replay"])
 def test_every_subcommand_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
