@@ -9,7 +9,9 @@ or corrupt blocks (docs/architecture.md#failure-contract), only for programming 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,6 +91,7 @@ class Tier(ABC):
         self.counters = TierCounters()
         #: ``"ok"``, or why the tier is degraded now (``"enospc"``, ``"circuit open: host:port"`` …)
         self.health = "ok"
+        _LIVE_TIERS.add(self)
 
     # --- data path -------------------------------------------------------------------------------
     @abstractmethod
@@ -129,6 +132,13 @@ class Tier(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook, memory tiers hold nothing to release
         """Release resources; further calls are undefined."""
+
+    def after_fork_in_child(self) -> None:
+        """Called in a forked child, before anything else runs there: drop what the parent's threads
+        owned (I/O threads, which are not in the child, locks they may have held, connections they share
+        with the parent), so the tier works in the child as a fresh one over the same data. A tier
+        with threads or connections extends this."""
+        self.counters._lock = threading.Lock()
 
     def chain_links(self) -> dict[BlockKey, BlockKey]:
         """Predecessor of each held block whose link was recorded (persistent tiers; others: none)."""
@@ -174,3 +184,19 @@ class Tier(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, capacity={sum(self.capacity_bytes.values())})"
+
+
+# --- a forked child: the tiers it inherited start afresh there ----------------------------------------
+#: every tier made in this process (weakly): a forked child lets each drop its parent's threads
+_LIVE_TIERS: weakref.WeakSet[Tier] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for tier in list(_LIVE_TIERS):
+        try:
+            tier.after_fork_in_child()
+        except Exception:  # a child must start whatever one tier does
+            log.exception("tier %r could not reset itself in a forked child", tier.name)
+
+
+os.register_at_fork(after_in_child=_after_fork)

@@ -317,23 +317,11 @@ class FileTier(Tier):
         self._disk_checked_at = float("-inf")
         self._made_dirs: set[str] = set()
         self._io_threads = io_threads
-        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-file-{name}")
-        # Reads from the page cache are CPU work (a copy and a checksum), so more reading threads than
-        # CPUs only add hand-overs of the GIL between them: reads get a pool of at most one thread
-        # per usable CPU. A cold batch goes back to the full pool (:meth:`_on_io_threads`).
-        read_threads = min(io_threads, usable_cpus())
-        self._read_executor = self._executor if read_threads == io_threads else ThreadPoolExecutor(
-            read_threads, thread_name_prefix=f"kvtier-file-{name}-read")
-        self._pool_threads = {self._executor: io_threads, self._read_executor: read_threads}
-        #: executor tasks of the batches in flight per pool (counted on the event loop's thread only)
-        self._tasks_in_flight = dict.fromkeys(self._pool_threads, 0)
-        #: tasks the read pool handed to the full pool (cold reads), counted on the I/O threads
-        self._handed_in_flight = 0
-        self._handed_lock = threading.Lock()
+        self._make_pools()
         #: warm raw blocks are read a batch per call by the native helper (kvtier/kernels/fileread.c)
         self._native_reads = host.reads_available()
         #: native reader threads for the warm reads (one per read-pool thread), started on first use
-        self._readers = ReaderPool(read_threads) if self._native_reads else None
+        self._readers = ReaderPool(self._pool_threads[self._read_executor]) if self._native_reads else None
         self._native_jobs_in_flight = 0  # batches queued on ``_readers`` (event loop's thread only)
         try:
             self._make_dir(self.root, parents=True)
@@ -640,6 +628,31 @@ class FileTier(Tier):
             self._readers.close()
         self._corrupt_log.flush()
         self._capacity_log.flush()
+
+    def _make_pools(self) -> None:
+        """The I/O thread pools, with nothing in flight (at construction, and again in a forked child)."""
+        name, io_threads = self.name, self._io_threads
+        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvtier-file-{name}")
+        # Reads from the page cache are CPU work (a copy and a checksum), so more reading threads than
+        # CPUs only add hand-overs of the GIL between them: reads get a pool of at most one thread
+        # per usable CPU. A cold batch goes back to the full pool (:meth:`_on_io_threads`).
+        read_threads = min(io_threads, usable_cpus())
+        self._read_executor = self._executor if read_threads == io_threads else ThreadPoolExecutor(
+            read_threads, thread_name_prefix=f"kvtier-file-{name}-read")
+        self._pool_threads = {self._executor: io_threads, self._read_executor: read_threads}
+        #: executor tasks of the batches in flight per pool (counted on the event loop's thread only)
+        self._tasks_in_flight = dict.fromkeys(self._pool_threads, 0)
+        #: tasks the read pool handed to the full pool (cold reads), counted on the I/O threads
+        self._handed_in_flight = 0
+        self._handed_lock = threading.Lock()
+
+    def after_fork_in_child(self) -> None:
+        """The parent's I/O threads are not in the child (a get there waited for them forever): new
+        pools and locks; the native readers start their own threads on first use (ReaderPool)."""
+        super().after_fork_in_child()
+        self._make_pools()
+        self._lock = threading.Lock()
+        self._native_jobs_in_flight = 0
 
     def _shutdown(self, wait: bool) -> None:
         if self._readers is not None:  # (its batches are short: it finishes them even without ``wait``)

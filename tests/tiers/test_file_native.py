@@ -308,8 +308,8 @@ def test_a_second_live_event_loop_reads_on_the_read_pool(tmp_path: Path, monkeyp
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_a_forked_child_reads_with_reader_threads_of_its_own(tmp_path: Path, reader_threads: str) -> None:
     """The parent's reader threads do not survive a fork: the pool starts threads of its own in the
-    child, which reads exact blocks; the parent's keep working. (The pool alone: a file tier's Python
-    thread pools do not survive a fork either, and the cache refuses to be used across one.)"""
+    child, which reads exact blocks; the parent's keep working. (The pool alone; the whole tier in a
+    forked child: test_a_forked_child_uses_the_tier_it_inherited.)"""
     if reader_threads != "native threads":
         pytest.skip("the reader pool's own test")
     tier = make_tier(tmp_path)
@@ -344,3 +344,38 @@ def test_a_forked_child_reads_with_reader_threads_of_its_own(tmp_path: Path, rea
     out.zero_()
     assert run(read()) == [0] * 8 and out.numpy().tobytes() == expected
     run(tier.close())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_uses_the_tier_it_inherited(tmp_path: Path, reader_threads: str) -> None:
+    """A tier used in the parent (its I/O threads running) works in a forked child as a fresh one over
+    the same files: the child reads the parent's blocks and stores its own (before, the child's first
+    get waited forever for the parent's threads); the parent reads the child's block afterwards."""
+    tier = make_tier(tmp_path)
+    keys = [key(i) for i in range(9)]
+    blocks = [random_block(0, i) for i in range(9)]
+    assert run(tier.put(keys[:8], blocks[:8])) == [True] * 8
+    out = [torch.zeros_like(b) for b in blocks]  # (made here: torch can hang in a forked child)
+    assert run(tier.get(keys[:8], out[:8])) == [True] * 8
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only, and never hang
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # (a Python handler would wait for a blocked thread)
+        signal.alarm(20)
+        try:
+            for o in out:
+                o.numpy().fill(0)
+            ok = run(tier.get(keys[:8], out[:8])) == [True] * 8 and all(
+                o.numpy().tobytes() == b.numpy().tobytes() for o, b in zip(out[:8], blocks[:8], strict=True))
+            ok = ok and run(tier.put(keys[8:], blocks[8:])) == [True]
+            run(tier.close())
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert run(tier.get(keys[:8], out[:8])) == [True] * 8
+    run(tier.close())
+    reopened = make_tier(tmp_path)  # the child's block too, from the same directory
+    assert run(reopened.get(keys, out)) == [True] * 9
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+    run(reopened.close())

@@ -608,6 +608,41 @@ def test_hung_server_times_out_and_recovers(redis_server_factory, make_tier: Mak
     asyncio.run(scenario())
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_uses_the_tier_it_inherited(redis_url: str, namespace: str,
+                                                   make_tier: MakeTier) -> None:
+    """A tier used in the parent (I/O threads running, idle connections pooled) works in a forked child
+    on connections of its own: before, the child waited forever for the parent's threads, and the two
+    processes would have shared pooled sockets (each could take the other's replies). Both keep
+    working, each reading what the other stored."""
+    tier = make_tier("r", {0: SMALL}, namespace=namespace, url=redis_url)
+    keys, blocks = keys_for(9), kv_like(SMALL, 9)
+    out = empty_like_blocks(SMALL, 9)  # (made here: torch can hang in a forked child)
+    assert asyncio.run(tier.put(keys[:8], blocks[:8])) == [True] * 8
+    assert asyncio.run(tier.get(keys[:8], out[:8])) == [True] * 8
+    parent_sockets = {conn._sock.fileno() for pool in tier._pools.values() for conn in pool._idle}
+    assert parent_sockets  # the case that matters: pooled connections at the fork
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only, and never hang
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(20)
+        try:
+            for o in out:
+                o.numpy().fill(0)
+            ok = asyncio.run(tier.get(keys[:8], out[:8])) == [True] * 8 and all(
+                o.numpy().tobytes() == b.numpy().tobytes() for o, b in zip(out[:8], blocks[:8], strict=True))
+            ok = ok and asyncio.run(tier.put(keys[8:], blocks[8:])) == [True]
+            asyncio.run(tier.close())
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert asyncio.run(tier.get(keys, out)) == [True] * 9  # on the parent's own pooled connections
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+    assert tier.counters.errors == {}
+
+
 def _child_reads(url: str, namespace: str, hashes: list[bytes], results: multiprocessing.Queue) -> None:
     tier = RedisTier("child", {0: SMALL}, namespace=namespace, url=url)
     keys = [BlockKey(h, 0) for h in hashes]

@@ -334,6 +334,13 @@ class Pool:
             self._free += 1
             self._cond.notify()
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: close this process's copies of the idle connections (the parent's copies
+        stay open) without the lock, which a parent's thread may have held at the fork."""
+        for conn in self._idle:
+            conn.close()
+        self._idle = []
+
     def drop_idle(self) -> None:
         """Close idle connections (after a failure they are probably dead too)."""
         with self._cond:

@@ -253,6 +253,16 @@ class RedisTier(Tier):
             self._executor = ThreadPoolExecutor(threads, thread_name_prefix=f"kvtier-redis-{self.name}")
         return self._executor
 
+    def after_fork_in_child(self) -> None:
+        """The parent's I/O threads are not in the child, and its pooled connections must not be shared
+        (two processes' requests on one socket would take each other's replies): the child closes its
+        copies of the idle ones (the parent's stay open) and connects afresh; breakers are kept."""
+        super().after_fork_in_child()
+        for pool in self._pools.values():
+            pool.forget_after_fork()
+        self._pools = {}
+        self._executor = None
+
     def _native_io(self) -> bool:
         """Whether raw GETs and SETs go through the native helper: built (``KVTIER_NATIVE`` not 0), no
         compression (lz4 values are encoded here) and no TLS (the helper speaks to a plain socket)."""
