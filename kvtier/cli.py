@@ -110,13 +110,16 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
         out.append(groups)
     cuda = cuda_present()
     from kvtier.kernels import host  # (numpy, no torch: `kvtier check` stays light)
+    from kvtier.tiers.redis.protocol import native_refusal
 
     tiers = Table("#", "tier", "type", "capacity", "blocks/group", "eviction", "admission", "where")
     for i, t in enumerate(cfg.tiers):
         name = escape(tier_name(t, i))
         if t.type == "redis":
             where = ", ".join(t.startup_nodes or []) if t.cluster else redact_url(t.url or "")
-            where += ", " + _redis_client(t, host)
+            tls = (t.url or "").startswith("rediss://") or t.tls_ca_file is not None
+            why = native_refusal(t.compression, tls)
+            where += ", native client" if why is None else f", Python client ({why})"
             tiers.add_row(str(i), name, "redis" + (" cluster" if t.cluster else ""),
                           "server maxmemory", "-", "server", t.admission, escape(where))
             continue
@@ -143,17 +146,6 @@ def check_report(cfg: Any, *, vllm: bool, model_given: bool, engine_keys: Sequen
     warnings += capacity_warnings(cfg, None if vllm else ns.id)
     out += [f"[yellow]warning[/yellow] {escape(w)}" for w in warnings]
     return out
-
-
-def _redis_client(tier: Any, host: Any) -> str:
-    """Which client moves a Redis tier's blocks (docs/redis.md, "The native client"), and why not native."""
-    if tier.compression != "none":
-        return "Python client (lz4 is encoded in Python)"
-    if (tier.url or "").startswith("rediss://") or tier.tls_ca_file:
-        return "Python client (TLS)"
-    if not host.redis_available():
-        return f"Python client ({host.unavailable_reason or 'xxhash exports no XXH3 functions'})"
-    return "native client"
 
 
 def capacity_warnings(cfg: Any, namespace: str | None) -> list[str]:

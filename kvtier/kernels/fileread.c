@@ -24,15 +24,12 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "xxh3_fns.h"
+
 #ifndef RWF_NOWAIT
 #define RWF_NOWAIT 0x00000008
 #endif
 
-typedef void *(*xxh_create_fn)(void);
-typedef int (*xxh_free_fn)(void *);
-typedef int (*xxh_reset_fn)(void *);
-typedef int (*xxh_update_fn)(void *, const void *, size_t);
-typedef uint64_t (*xxh_digest_fn)(const void *);
 
 /* The file of a block: prefix, the hash's first byte in hex ("00" for an empty hash), "/", the hash
  * in hex, suffix (the file tier's _block_path, kvtier/tiers/file.py). -1 if it does not fit. */
@@ -109,9 +106,7 @@ int64_t kvt_read_warm(int64_t n, const char *prefix, const uint8_t *hashes, int6
         }
         close(fd);
         if (!ok) continue;
-        uint64_t stored = 0;
-        for (int b = 7; b >= 0; b--) stored = (stored << 8) | page[checksum_offset + b];
-        if (digest(state) == stored) {
+        if (digest(state) == load_le64(page + checksum_offset)) {
             status[i] = 0;
             good++;
         }

@@ -30,6 +30,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("streamcopy.c", "fileread.c", "redisio.c"))
+#: headers the sources include: part of the library's name, so a changed header rebuilds it
+HEADERS = (Path(__file__).with_name("xxh3_fns.h"),)
 #: the compiler's flags: no -march, so a cache shared by different machines of one architecture works
 CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-pthread")
 
@@ -60,11 +62,12 @@ def compiler() -> str | None:
 def build(cc: str, out_dir: Path) -> Path:
     """Compile the sources with ``cc`` into one library in ``out_dir`` (unless built already); return it.
 
-    The name carries a hash of the sources, compiler, flags and machine; the library is written under
-    a temporary name and renamed, so processes building at once never load a half-written file.
+    The name carries a hash of the sources and their header, compiler, flags and machine; the library
+    is written under a temporary name and renamed, so processes building at once never load a
+    half-written file.
     Raises :class:`OSError` or :class:`subprocess.CalledProcessError` (with the compiler's output).
     """
-    parts = [*(path.read_bytes() for path in SOURCES), cc.encode(), " ".join(CFLAGS).encode(),
+    parts = [*(path.read_bytes() for path in (*SOURCES, *HEADERS)), cc.encode(), " ".join(CFLAGS).encode(),
              platform.machine().encode()]
     tag = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = out_dir / f"kvtier-host-{tag}.so"

@@ -35,11 +35,8 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
-typedef void *(*xxh_create_fn)(void);
-typedef int (*xxh_free_fn)(void *);
-typedef int (*xxh_reset_fn)(void *);
-typedef int (*xxh_update_fn)(void *, const void *, size_t);
-typedef uint64_t (*xxh_digest_fn)(const void *);
+#include "xxh3_fns.h"
+
 
 enum { ST_OK = 0, ST_ABSENT = 1, ST_CORRUPT = 2, ST_AGAIN = 3, ST_NOT_DONE = 4, ST_REFUSED = 5 };
 enum { E_TIMEOUT = -1, E_CLOSED = -2, E_PROTOCOL = -3, E_MEMORY = -4 };
@@ -199,12 +196,6 @@ static int other_reply(struct conn *c, const uint8_t *line, size_t len, struct r
     if (size < -1) return E_PROTOCOL;
     *status = size < 0 ? ST_ABSENT : ST_AGAIN;
     return size < 0 ? 0 : skip(c, (size_t)size + 2);
-}
-
-static uint64_t load_le64(const uint8_t *p) {
-    uint64_t value = 0;
-    for (int b = 7; b >= 0; b--) value = (value << 8) | p[b];
-    return value;
 }
 
 struct hasher {

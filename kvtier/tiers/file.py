@@ -538,7 +538,7 @@ class FileTier(Tier):
                 return None
             hashes = [hashes[i] for i in picked]
             outs = np.array([addresses[i] for i in picked], dtype=np.uint64)
-        return _WarmJob(picked, size, f"{self._directory}/g{group}/".encode(), b"".join(hashes), hash_len,
+        return _WarmJob(picked, size, f"{self._group_dir(group)}/".encode(), b"".join(hashes), hash_len,
                         self._raw_headers[group].of_hashes(group, hashes), outs)
 
     def _read_jobs(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | torch.Tensor,
@@ -821,7 +821,11 @@ class FileTier(Tier):
         """``(shard directory, hash hex)`` of a key: plain strings, the hot path avoids pathlib.
         (``fileread.c``'s ``block_path`` builds the same path for the native reads.)"""
         hex_hash = key.block_hash.hex()
-        return f"{self._directory}/g{key.group_id}/{hex_hash[:2] or '00'}", hex_hash
+        return f"{self._group_dir(key.group_id)}/{hex_hash[:2] or '00'}", hex_hash
+
+    def _group_dir(self, group_id: int) -> str:
+        """A group's directory: ``<namespace dir>/g<group id>`` (:meth:`_parse_group` reads it back)."""
+        return f"{self._directory}/g{group_id}"
 
     def _make_dir(self, path: str | Path, parents: bool = False) -> None:
         if parents:

@@ -89,7 +89,7 @@ class Connection:
         self._end = 0
         #: True once the connection went back to the pool (it may have gone stale since).
         self.reused = False
-        #: The socket's descriptor where the native helper may use it (plain TCP, blocking, kernel timeouts).
+        #: Whether the socket is plain TCP, blocking, with kernel send/receive timeouts (see native_fd).
         self.kernel_timeouts = False
 
     @property
@@ -277,6 +277,20 @@ class Connection:
         if kind == b"-":
             raise ReplyError(line[1:].decode("utf-8", "replace"))
         raise ProtocolError(f"unexpected reply {line[:32]!r}")
+
+
+def native_refusal(compression: str, tls: bool) -> str | None:
+    """Why a tier's raw GETs and SETs cannot go through the native client (``kvtier/kernels/redisio.c``),
+    or None where they do: the one rule for the tier and for ``kvtier check``."""
+    from kvtier.kernels import host
+
+    if compression != "none":
+        return "lz4 is encoded in Python"
+    if tls:
+        return "TLS"
+    if not host.redis_available():
+        return host.unavailable_reason or "xxhash exports no XXH3 functions"
+    return None
 
 
 def command(*args: bytes) -> bytes:

@@ -340,8 +340,7 @@ def run_native(fd: int, ops: list[Op], depth: int, stop: np.ndarray) -> NativeOu
         tail = sets[0].ttl_args
         result = host.redis_set(fd, keys, addresses, sizes, expected, HEADER_SIZE, CHECKSUM_OFFSET, tail,
                                 5 if tail else 3, depth, stop)
-    if result is None:  # the helper went away (it does not, once loaded): all of them the long way
-        return NativeOutcome(list(ops), [], None, None)
+    assert result is not None, "run_native without the helper (NodeRun.native is set only where it is built)"
     rc, status, refusal = result
     again: list[Op] = []
     not_done: list[Op] = []
@@ -524,8 +523,9 @@ def _native_step(fd: int, run: NodeRun, depth: int, inflight: deque[Op], again: 
     batch = run.take(run.native_run)
     if not batch:
         return False
-    ready = [op for op in batch if native_ready(op)]
-    again.extend(op for op in batch if not native_ready(op))
+    ready: list[Op] = []
+    for op in batch:
+        (ready if native_ready(op) else again).append(op)
     if not ready:
         return True
     outcome = run_native(fd, ready, depth, run.stop)

@@ -25,13 +25,12 @@ from kvtier.blocks import BlockKey
 from kvtier.codec import MAX_HASH_BYTES, RawHeaders
 from kvtier.errors import LayoutMismatch
 from kvtier.hashing import namespace_fingerprint
-from kvtier.kernels import host
 from kvtier.layout import BlockLayout
 from kvtier.logs import LogLimiter
 from kvtier.tiers.base import Tier
 from kvtier.tiers.redis.breaker import CircuitBreaker, CircuitBreakerConfig
 from kvtier.tiers.redis.cluster import ClientOptions, SlotMap, require_redis_py, scan_keys
-from kvtier.tiers.redis.protocol import Addr, Connector, Pool
+from kvtier.tiers.redis.protocol import Addr, Connector, Pool, native_refusal
 from kvtier.tiers.redis.requests import ExistsOp, GetOp, NodeRun, Op, SetOp, UnlinkOp, run_stream
 
 log = logging.getLogger(__name__)
@@ -267,7 +266,7 @@ class RedisTier(Tier):
         """Whether raw GETs and SETs go through the native helper: built (``KVTIER_NATIVE`` not 0), no
         compression (lz4 values are encoded here) and no TLS (the helper speaks to a plain socket)."""
         if self._native is None:
-            self._native = self.compression == "none" and not self.tls and host.redis_available()
+            self._native = native_refusal(self.compression, self.tls) is None
         return self._native
 
     def _pool(self, addr: Addr) -> Pool:
