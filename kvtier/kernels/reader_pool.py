@@ -109,7 +109,8 @@ class ReaderPool:
 
     def _forget_parent(self) -> None:
         """In a forked child (or on first use): the parent's threads are not here; its pool is left
-        unfreed (its lock may be held), its pipe closed, its batches forgotten."""
+        unfreed (its C lock may be held), its pipe closed, its batches forgotten, and the submit lock is
+        a new one (a parent's thread may have held it at the fork)."""
         if self._pid:
             for fd in (self._read_fd, self._write_fd):
                 with contextlib.suppress(OSError):
@@ -117,6 +118,7 @@ class ReaderPool:
         self._handle, self._loop, self._read_fd, self._write_fd = None, None, -1, -1
         self._pending.clear()
         self._partial = b""
+        self._lock = threading.Lock()
         self._pid = os.getpid()
 
     def _collect(self) -> None:
