@@ -390,6 +390,10 @@ class FileTier(Tier):
         file is a miss (dropped from the index); a corrupt or truncated one is a miss and deleted; an
         I/O error is a miss that keeps the file. Raises only :class:`LayoutMismatch` for wrong buffers.
         """
+        if isinstance(out, torch.Tensor):
+            hits = await self._get_rows_natively(keys, out)
+            if hits is not None:
+                return hits
         slots, reads, addresses = self._read_jobs(keys, out)
         start = time.perf_counter()
         # the read pool where a read can tell the page cache from the disk (not: O_DIRECT, no RWF_NOWAIT)
@@ -415,6 +419,89 @@ class FileTier(Tier):
         counters.blocks_read += read
         counters.bytes_read += nbytes
         return hits
+
+    async def _get_rows_natively(self, keys: Sequence[BlockKey], out: torch.Tensor) -> list[bool] | None:
+        """:meth:`get` of the usual load, handled as one batch: every key indexed as a raw block of one
+        group, ``out`` the ``[n, nbytes]`` rows the cache passes, the native readers serving this loop.
+
+        The batch goes to the readers as arrays (hashes, headers, row addresses), with no object per
+        block on the event loop's thread (those were most of its work per block, and the garbage
+        collections they set off); a block the readers do not verify is read :meth:`_read_natively`'s
+        long way. None, having done nothing, for any other batch.
+        """
+        readers = self._readers
+        n = len(keys)
+        if (readers is None or not n or self._direct_reads or not (self._nowait and self._native_reads)
+                or not _syscalls_unwrapped()):
+            return None
+        group = keys[0].group_id
+        size = self._block_nbytes.get(group)
+        if not (out.dtype == torch.uint8 and out.dim() == 2 and out.shape[0] == n and out.shape[1] == size
+                and out.device.type == "cpu" and out.is_contiguous() and all_of_group(keys, group)):
+            return None
+        raw_size = self._raw_file_size[group]
+        if list(map(self._index.get, keys)).count(raw_size) != n:
+            return None  # a key not indexed, or a compressed block
+        hashes = list(map(_BLOCK_HASH, keys))
+        hash_len = len(hashes[0])
+        if set(map(len, hashes)) != {hash_len}:
+            return None
+        start = time.perf_counter()
+        joined, expected = b"".join(hashes), self._raw_headers[group].of_hashes(group, hashes)
+        base = out.data_ptr()
+        outs = np.arange(base, base + size * n, size, dtype=np.uint64)
+        prefix = f"{self._group_dir(group)}/".encode()
+        cuts = _part_cuts(n, readers.threads - self._native_jobs_in_flight)
+        queued: list[tuple[int, int, asyncio.Future[np.ndarray]]] = []
+        for a, z in zip(cuts, cuts[1:], strict=False):
+            future = readers.submit(prefix, joined[a * hash_len:z * hash_len], hash_len, _SUFFIX, outs[a:z],
+                                    size, READ_CHUNK, expected[a * HEADER_SIZE:z * HEADER_SIZE], HEADER_SIZE,
+                                    CHECKSUM_OFFSET, PAGE)
+            if future is None:  # the pool cannot serve this loop (or it is stopping)
+                if not queued:
+                    return None
+                continue  # (this part's blocks are read the long way)
+            queued.append((a, z, future))
+        statuses = await self._await_parts([future for _, _, future in queued])
+        status = np.ones(n, dtype=np.int32)  # (a part not queued: every block the long way)
+        for (a, z, _), part in zip(queued, statuses, strict=True):
+            status[a:z] = part
+        rest = np.flatnonzero(status).tolist()
+        counters = self.counters
+        read = n - len(rest)
+        counters.blocks_read += read
+        counters.bytes_read += read * (PAGE + size)
+        if not rest:
+            counters.read_seconds += time.perf_counter() - start
+            return [True] * n
+        hits = [True] * n
+        rows = out.numpy()
+        reads = [(keys[i], raw_size, rows[i]) for i in rest]
+        later = await self._on_io_threads(self._read_cached_block, reads, self._read_block,
+                                          executor=self._read_executor)
+        counters.read_seconds += time.perf_counter() - start
+        for i, outcome in zip(rest, later, strict=True):
+            if outcome.error is None:
+                counters.blocks_read += 1
+                counters.bytes_read += outcome.device_bytes
+            else:
+                hits[i] = False
+                counters.error(outcome.error)
+        return hits
+
+    async def _await_parts(self, futures: list[asyncio.Future[np.ndarray]]) -> list[np.ndarray]:
+        """The statuses of the parts queued on the native readers. A cancelled call returns only once no
+        reader thread touches the parts' buffers."""
+        if not futures:
+            return []
+        self._native_jobs_in_flight += len(futures)
+        try:
+            return await asyncio.shield(asyncio.gather(*futures))
+        except BaseException:
+            await asyncio.wait(futures)
+            raise
+        finally:
+            self._native_jobs_in_flight -= len(futures)
 
     async def _read_natively(self, reads: list[tuple[BlockKey, int, np.ndarray]], addresses: list[int],
                              ) -> list[_Outcome]:
@@ -486,17 +573,7 @@ class FileTier(Tier):
         """Wait for the queued parts: an outcome per verified block, None for the rest. A cancelled
         call returns only once no reader thread touches ``out``."""
         outcomes: list[_Outcome | None] = [None] * n
-        if not jobs:
-            return outcomes
-        futures = [future for _, _, future in jobs]
-        self._native_jobs_in_flight += len(jobs)
-        try:
-            statuses = await asyncio.shield(asyncio.gather(*futures))
-        except BaseException:
-            await asyncio.wait(futures)
-            raise
-        finally:
-            self._native_jobs_in_flight -= len(jobs)
+        statuses = await self._await_parts([future for _, _, future in jobs])
         for (start, job, _), status in zip(jobs, statuses, strict=True):
             _mark_verified(outcomes, start, job, status)
         return outcomes

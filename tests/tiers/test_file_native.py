@@ -118,11 +118,13 @@ def _damage(root: Path, tier: file_module.FileTier, keys: list) -> None:
 PAGE_ = file_module.PAGE
 
 
-def test_damaged_blocks_get_the_outcomes_the_python_path_gives(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shape", ["one tensor per block", "rows of one tensor"])
+def test_damaged_blocks_get_the_outcomes_the_python_path_gives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
     """A flipped bit, a short file, a symbolic link, a FIFO, a deleted file and a forged header: the
     native reader verifies only the good blocks; the rest get, block for block, the hits, counters and
-    files the Python path gives them."""
+    files the Python path gives them (whether ``out`` is a tensor per block or the ``[n, nbytes]`` rows
+    the cache passes, which the native threads take as one batch)."""
     results = {}
     for native in (True, False):
         spy = Spy(monkeypatch)
@@ -133,8 +135,9 @@ def test_damaged_blocks_get_the_outcomes_the_python_path_gives(tmp_path: Path,
         blocks = [random_block(0, i) for i in range(8)]
         assert run(tier.put(keys, blocks)) == [True] * 8
         _damage(root, tier, keys)
-        out = [torch.zeros_like(b) for b in blocks]
-        hits = run(tier.get(keys, out))
+        rows = torch.zeros(8, blocks[0].numel(), dtype=torch.uint8)
+        out = list(rows) if shape == "rows of one tensor" else [torch.zeros_like(b) for b in blocks]
+        hits = run(tier.get(keys, rows if shape == "rows of one tensor" else out))
         assert all(torch.equal(o, b) for o, b, hit in zip(out, blocks, hits, strict=True) if hit)
         left = sorted(p.name for p in root.rglob("*.kvb") if p.is_file() or p.is_symlink() or p.is_fifo())
         results[native] = (hits, dict(tier.counters.errors), left, run(tier.contains(keys)))
@@ -182,8 +185,9 @@ def test_native_reads_run_on_the_read_pool_only(tmp_path: Path, monkeypatch: pyt
     run(tier.close())
 
 
-def test_a_cancelled_native_get_leaves_the_buffers_alone(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shape", ["one tensor per block", "rows of one tensor"])
+def test_a_cancelled_native_get_leaves_the_buffers_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         shape: str) -> None:
     """The get is cancelled while a native call is about to run: the cancellation returns only once
     that call has finished, and nothing writes into the caller's buffers after it."""
     release = threading.Event()
@@ -191,8 +195,10 @@ def test_a_cancelled_native_get_leaves_the_buffers_alone(tmp_path: Path,
     tier = make_tier(tmp_path, io_threads=2)
     keys = [key(i) for i in range(30)]
     assert run(tier.put(keys, [random_block(0, i) for i in range(30)])) == [True] * 30
-    out = [torch.zeros(LAYOUTS[0].nbytes, dtype=torch.uint8) for _ in keys]
-    run(cancel_once_started(tier.get(keys, out), spy.started, release))
+    rows = torch.zeros(len(keys), LAYOUTS[0].nbytes, dtype=torch.uint8)
+    out = list(rows)
+    run(cancel_once_started(tier.get(keys, rows if shape == "rows of one tensor" else out), spy.started,
+                            release))
     assert spy.statuses  # the call ran to its end before the cancellation came back
     snapshot = [o.clone() for o in out]
     threading.Event().wait(0.2)
