@@ -521,6 +521,49 @@ def test_concurrent_batches_share_a_small_pool(redis_url: str, namespace: str, m
     assert tier.counters.errors == {}
 
 
+def test_batches_in_flight_share_a_nodes_streams(redis_url: str, namespace: str, make_tier: MakeTier,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twelve batches at once on eight connections: the first two take four streams each, the others
+    the one each that is left, and every stream is given back, by a cancelled get too; a lone batch
+    then takes four again. Every block exact."""
+    from kvtier.tiers.redis import tier as tier_module
+
+    tier = make_tier("r", {0: SMALL}, namespace=namespace, url=redis_url, max_connections=8)
+    streams: dict[int, int] = {}
+    real = tier_module.run_stream
+
+    def counting(pool: Any, run: Any, *args: Any) -> None:
+        streams[id(run)] = streams.get(id(run), 0) + 1
+        real(pool, run, *args)
+
+    monkeypatch.setattr(tier_module, "run_stream", counting)
+    batches = [(keys_for(16), kv_like(SMALL, 16, seed=i)) for i in range(12)]
+
+    async def scenario() -> list[int]:
+        assert await asyncio.gather(*(tier.put(k, b) for k, b in batches)) == [[True] * 16] * 12
+        at_once = sorted(streams.values(), reverse=True)
+        outs = [empty_like_blocks(SMALL, 16) for _ in batches]
+        hits = await asyncio.gather(*(tier.get(k, o) for (k, _), o in zip(batches, outs, strict=True)))
+        assert hits == [[True] * 16] * 12
+        for (_, blocks), out in zip(batches, outs, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(blocks, out, strict=True))
+        cut = asyncio.create_task(tier.get(batches[0][0], empty_like_blocks(SMALL, 16)))
+        await asyncio.sleep(0)
+        cut.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut
+        assert set(tier._busy_streams.values()) == {0}
+        streams.clear()
+        out = empty_like_blocks(SMALL, 16)
+        assert await tier.get(batches[1][0], out) == [True] * 16
+        assert list(streams.values()) == [4]
+        await tier.close()
+        return at_once
+
+    assert asyncio.run(scenario()) == [4, 4] + [1] * 10
+    assert tier.counters.errors == {}
+
+
 # --- faults -------------------------------------------------------------------------------------------------
 def test_circuit_breaker_answers_fast_and_recovers(redis_server_factory, make_tier: MakeTier) -> None:
     server = redis_server_factory(start=False)  # a port nobody listens on (yet)

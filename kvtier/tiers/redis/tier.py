@@ -123,6 +123,8 @@ class RedisTier(Tier):
         self._pools: dict[Addr, Pool] = {}
         self._breakers: dict[Addr | str, CircuitBreaker] = {}
         self._open_nodes: set[object] = set()
+        #: I/O streams each node's batches run on now (event loop thread only)
+        self._busy_streams: dict[Addr, int] = {}
         self._executor: ThreadPoolExecutor | None = None
         #: raw GETs and SETs through kvtier/kernels/redisio.c (decided on first use; docs/redis.md)
         self._native: bool | None = None
@@ -261,6 +263,7 @@ class RedisTier(Tier):
             pool.forget_after_fork()
         self._pools = {}
         self._executor = None
+        self._busy_streams = {}
 
     def _native_io(self) -> bool:
         """Whether raw GETs and SETs go through the native helper: built (``KVTIER_NATIVE`` not 0), no
@@ -316,15 +319,19 @@ class RedisTier(Tier):
             self.counters.error("circuit_open", len(ops))
             return
         large = ops[0].large
-        streams = min(len(ops), _STREAMS_PER_NODE, self.max_connections) if large else 1
+        # a node's connections serve every batch in flight: a batch takes the streams still free (at
+        # least one), as more streams per batch than connections would only add hand-offs (docs/redis.md)
+        busy = self._busy_streams.get(addr, 0)
+        streams = max(1, min(len(ops), _STREAMS_PER_NODE, self.max_connections - busy)) if large else 1
         run = NodeRun(ops, native=large and self._native_io(), streams=streams)
         depth = _PIPELINE_DEPTH if large else _SMALL_DEPTH
         pool = self._pool(addr)
         loop = asyncio.get_running_loop()
         executor = self._io_executor()
-        futures = [loop.run_in_executor(executor, run_stream, pool, run, depth, i == 0, self.timeout)
-                   for i in range(streams)]
+        self._busy_streams[addr] = busy + streams
         try:
+            futures = [loop.run_in_executor(executor, run_stream, pool, run, depth, i == 0, self.timeout)
+                       for i in range(streams)]
             try:
                 outcomes = await asyncio.shield(asyncio.gather(*futures, return_exceptions=True))
             except asyncio.CancelledError:
@@ -335,6 +342,7 @@ class RedisTier(Tier):
                 if isinstance(outcome, BaseException):
                     raise outcome
         finally:
+            self._busy_streams[addr] -= streams
             for kind in run.errors:
                 self.counters.error(kind)
             if run.failed:
