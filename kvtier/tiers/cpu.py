@@ -99,8 +99,10 @@ class CpuTier(Tier):
         #: copies a batch of a MiB or more on ``copy_threads`` threads (default: two, CPUs allowing);
         #: ``streaming_stores``: into the slab with non-temporal stores where the helper builds
         #: (:mod:`kvtier.kernels.host`): a stored block is not read again soon, so it skips the caches
+        #: (``copy_threads`` not given: split only while splitting measures faster, hostcopy.SplitChoice)
         self.copier = RowCopier(default_copy_threads() if copy_threads is None else copy_threads,
-                                name=f"kvtier-cpu-{name}-copy", streaming=streaming_stores)
+                                name=f"kvtier-cpu-{name}-copy", streaming=streaming_stores,
+                                adaptive=copy_threads is None)
         pin = torch.cuda.is_available() if pinned is None else pinned
         if pin and not torch.cuda.is_available():
             log.info("CPU tier %r: pinned memory asked for but CUDA is unavailable; using plain memory", name)

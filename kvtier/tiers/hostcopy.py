@@ -6,11 +6,17 @@ measures both). numpy releases the GIL while it copies, so the parts of a batch 
 caller's thread copies one part, the copier's threads the others, and the call returns when every
 part is done. Batches under ``min_bytes`` are copied on the caller's thread alone (a hand-off costs
 tens of microseconds).
+
+Whether a split pays depends on the host: on another 2-CPU VM one thread already copied at 20 GB/s
+and two threads loaded 256 KiB rows 10-20 % slower than one, while costing more CPU either way. So
+with ``adaptive`` (a tier's ``copy_threads: auto``) the copier times its own copies and splits a
+kind of copy only while splitting measures faster (:class:`SplitChoice`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
@@ -28,6 +34,46 @@ MIN_SPLIT_BYTES = 1 << 20
 _CUT = 4096
 
 
+class SplitChoice:
+    """Whether to split one kind of copy over the threads, learned from the copies' own speed.
+
+    Two running averages of bytes per second, one per way: the first copies measure one thread, then
+    split; from then on the faster way runs, but a split must be :data:`MIN_GAIN` faster to be chosen
+    (it spends more CPU per byte), and one copy in :data:`EXPLORE_EVERY` runs the other way so that a
+    change of load is seen. Not thread-safe: a race only costs a copy run the other way.
+    """
+
+    #: a split is chosen only where it measures this much faster than one thread
+    MIN_GAIN = 1.1
+    #: once both ways are measured, one copy in this many runs the way not chosen
+    EXPLORE_EVERY = 16
+    #: weight of the newest measurement in a running average
+    WEIGHT = 0.25
+
+    __slots__ = ("rates", "calls")
+
+    def __init__(self) -> None:
+        #: bytes per second: [one thread, split]; None until measured
+        self.rates: list[float | None] = [None, None]
+        self.calls = 0
+
+    def split(self) -> bool:
+        """Whether the next copy of this kind should be split."""
+        one, split = self.rates
+        if one is None:
+            return False
+        if split is None:
+            return True
+        self.calls += 1
+        better = split >= one * self.MIN_GAIN
+        return not better if self.calls % self.EXPLORE_EVERY == 0 else better
+
+    def record(self, split: bool, nbytes: int, seconds: float) -> None:
+        rate = nbytes / max(seconds, 1e-9)
+        old = self.rates[split]
+        self.rates[split] = rate if old is None else old + self.WEIGHT * (rate - old)
+
+
 def default_copy_threads() -> int:
     """Threads a CPU tier copies a large batch with when the config does not say: two, or one where
     the process may run on one CPU only (measured: a third thread on two CPUs gains nothing)."""
@@ -40,13 +86,21 @@ class RowCopier:
 
     ``streaming``: copies into the slab use streaming stores (:mod:`kvtier.kernels.host`) where the
     helper is available; copies out of it always go through the caches, as the caller reads them next.
+    ``adaptive``: split a kind of copy (into or out of the slab, rows under or over 1 MiB) only while
+    splitting measures faster (:class:`SplitChoice`); else every copy of ``min_bytes`` or more splits.
+    ``clock``: the timer of those measurements (tests pass their own).
     """
 
-    def __init__(self, threads: int = 1, *, name: str = "kvtier-copy",
-                 min_bytes: int = MIN_SPLIT_BYTES, streaming: bool = False) -> None:
+    def __init__(self, threads: int = 1, *, name: str = "kvtier-copy", min_bytes: int = MIN_SPLIT_BYTES,
+                 streaming: bool = False, adaptive: bool = False,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if threads < 1:
             raise ValueError(f"copy threads must be at least 1, got {threads}")
         self.threads = threads
+        self.adaptive = adaptive
+        #: per kind of copy, (into_slab, rows of 1 MiB or more): what splitting it measured
+        self.choices = {(into, large): SplitChoice() for into in (False, True) for large in (False, True)}
+        self._clock = clock
         #: whether copies into the slab stream (False where asked for but the helper is unavailable)
         self.streaming = streaming and host.available()
         self.min_bytes = min_bytes
@@ -65,12 +119,12 @@ class RowCopier:
     def batch(self, rows_np: np.ndarray, slab_np: np.ndarray, slots: list[int], *, into_slab: bool) -> None:
         """Copy between ``[n, nbytes]`` ``rows_np`` and the slab rows ``slots`` (row i ↔ ``slots[i]``)."""
         n = len(slots)
-        parts = self._parts(n, rows_np.nbytes)
+        choice, parts = self._parts(n, rows_np.nbytes, into_slab, slab_np.shape[1])
         stream = into_slab and self.streaming
+        start = self._clock() if choice is not None else 0.0
         if parts == 1:
             _copy_batch(rows_np, slab_np, slots, into_slab=into_slab, stream=stream)
-            return
-        if n >= parts:  # whole rows per part
+        elif n >= parts:  # whole rows per part
             cuts = [n * p // parts for p in range(parts + 1)]
             self._run([partial(_copy_batch, rows_np[a:z], slab_np, slots[a:z], into_slab=into_slab,
                                stream=stream)
@@ -80,6 +134,8 @@ class RowCopier:
             self._run([partial(_copy_batch, rows_np[:, a:z], slab_np[:, a:z], slots, into_slab=into_slab,
                                stream=stream)
                        for a, z in zip(cols, cols[1:], strict=False)])
+        if choice is not None:
+            choice.record(parts > 1, rows_np.nbytes, self._clock() - start)
 
     def rows(self, buffers: Sequence[torch.Tensor], slab: torch.Tensor, slots: list[int], *,
              into_slab: bool) -> None:
@@ -106,19 +162,30 @@ class RowCopier:
         pairs = [(slab_np[slot], buf.numpy()) if into_slab else (buf.numpy(), slab_np[slot])
                  for buf, slot in zip(buffers, slots, strict=True)]
         n = len(pairs)
-        parts = self._parts(n, sum(buf.numel() for buf in buffers))
+        nbytes = sum(buf.numel() for buf in buffers)
+        choice, parts = self._parts(n, nbytes, into_slab, slab_np.shape[1])
         stream = into_slab and self.streaming
+        start = self._clock() if choice is not None else 0.0
         if parts == 1 or n < parts:
+            parts = 1
             _copy_pairs(pairs, stream)
-            return
-        cuts = [n * p // parts for p in range(parts + 1)]
-        self._run([partial(_copy_pairs, pairs[a:z], stream) for a, z in zip(cuts, cuts[1:], strict=False)])
+        else:
+            cuts = [n * p // parts for p in range(parts + 1)]
+            self._run([partial(_copy_pairs, pairs[a:z], stream)
+                       for a, z in zip(cuts, cuts[1:], strict=False)])
+        if choice is not None:
+            choice.record(parts > 1, nbytes, self._clock() - start)
 
     # --- running the parts -----------------------------------------------------------------------------
-    def _parts(self, rows: int, nbytes: int) -> int:
+    def _parts(self, rows: int, nbytes: int, into_slab: bool, row_bytes: int,
+               ) -> tuple[SplitChoice | None, int]:
+        """How many parts a copy runs in, and the choice that measures it (None: not measured)."""
         if self.threads == 1 or rows == 0 or nbytes < self.min_bytes:
-            return 1
-        return self.threads
+            return None, 1
+        if not self.adaptive:
+            return None, self.threads
+        choice = self.choices[into_slab, row_bytes >= MIN_SPLIT_BYTES]
+        return choice, self.threads if choice.split() else 1
 
     def _run(self, parts: list[Callable[[], None]]) -> None:
         """Run ``parts[1:]`` on the copier's threads and ``parts[0]`` here; return when all are done (a

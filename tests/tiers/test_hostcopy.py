@@ -87,6 +87,86 @@ def test_a_failing_copy_raises_and_the_copier_goes_on() -> None:
         copier.close()
 
 
+class ScriptedClock:
+    """The clock of an adaptive copier whose copies take ``split`` seconds when split over its threads
+    and ``one`` on the caller's thread alone (the copier reads it once before a copy, once after)."""
+
+    def __init__(self, split: float, one: float) -> None:
+        self.split_seconds, self.one_seconds = split, one
+        self.now = 0.0
+        self.started = False
+        self.splits: list[bool] = []  # per copy: whether it ran split
+
+    def __call__(self) -> float:
+        if self.started:
+            self.now += self.split_seconds if self.splits[-1] else self.one_seconds
+        else:
+            self.splits.append(False)
+        self.started = not self.started
+        return self.now
+
+    def watch(self, copier: RowCopier) -> None:
+        real = copier._run
+
+        def run(parts: list) -> None:
+            self.splits[-1] = True
+            real(parts)
+
+        copier._run = run  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("split_faster", [True, False])
+@pytest.mark.parametrize("into_slab", [True, False])
+def test_an_adaptive_copier_splits_only_where_splitting_measures_faster(split_faster: bool,
+                                                                        into_slab: bool) -> None:
+    """Copies where two threads take half (or twice) the time of one: after one copy each way, the
+    faster way runs, and one copy in 16 tries the other; every copy lands exactly."""
+    clock = ScriptedClock(split=0.001 if split_faster else 0.004, one=0.002)
+    copier = RowCopier(2, name="kvtier-test-adapt", min_bytes=0, adaptive=True, clock=clock)
+    clock.watch(copier)
+    slab = np.zeros((8, 4096), np.uint8)
+    try:
+        for i in range(160):
+            rows = np.full((4, 4096), i % 251, np.uint8)
+            slots = [7, 5, 3, 1] if i % 2 else [0, 2, 4, 6]
+            if into_slab:
+                copier.batch(rows, slab, slots, into_slab=True)
+                assert (slab[slots] == i % 251).all()
+            else:
+                slab[slots] = i % 251
+                out = np.zeros_like(rows)
+                copier.batch(out, slab, slots, into_slab=False)
+                assert (out == i % 251).all()
+    finally:
+        copier.close()
+    assert clock.splits[:2] == [False, True]  # one thread measured first, then the split
+    settled = clock.splits[2:]
+    assert sum(settled) == (len(settled) - len(settled) // 16 if split_faster else len(settled) // 16)
+    choice = copier.choices[into_slab, False]
+    assert choice.rates == [pytest.approx(4096 * 4 / 0.002),
+                            pytest.approx(4096 * 4 / (0.001 if split_faster else 0.004))]
+
+
+def test_a_split_barely_faster_is_not_chosen() -> None:
+    """A split costs more CPU per byte: 5 % faster than one thread is not enough to choose it."""
+    clock = ScriptedClock(split=0.002 / 1.05, one=0.002)
+    copier = RowCopier(2, name="kvtier-test-adapt", min_bytes=0, adaptive=True, clock=clock)
+    clock.watch(copier)
+    slab, rows = np.zeros((4, 4096), np.uint8), np.ones((4, 4096), np.uint8)
+    try:
+        for _ in range(34):
+            copier.batch(rows, slab, [0, 1, 2, 3], into_slab=True)
+    finally:
+        copier.close()
+    assert sum(clock.splits[2:]) == 2  # only the copies that try the other way
+
+
+def test_copy_threads_given_split_every_large_copy_and_auto_measures() -> None:
+    layout = BlockLayout(num_layers=8, num_kv_heads=4, head_dim=128, block_size=16)
+    assert not CpuTier("given", {0: layout}, {0: layout.nbytes}, pinned=False, copy_threads=2).copier.adaptive
+    assert CpuTier("auto", {0: layout}, {0: layout.nbytes}, pinned=False).copier.adaptive
+
+
 def test_zero_copy_threads_is_refused() -> None:
     with pytest.raises(ValueError, match="copy threads must be at least 1, got 0"):
         RowCopier(0)
