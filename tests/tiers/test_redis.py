@@ -686,6 +686,51 @@ def test_a_forked_child_uses_the_tier_it_inherited(redis_url: str, namespace: st
     assert tier.counters.errors == {}
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_fork_while_connections_are_busy(redis_url: str, namespace: str, make_tier: MakeTier) -> None:
+    """A fork while the parent's I/O threads hold both of a node's connections: the child closes its
+    copies of them (no descriptor left open there) and gets both slots back, so its own reads run
+    at once instead of waiting for threads it does not have; the parent's connections keep working."""
+    tier = make_tier("r", {0: SMALL}, namespace=namespace, url=redis_url, max_connections=2)
+    keys, blocks = keys_for(4), kv_like(SMALL, 4)
+    out = empty_like_blocks(SMALL, 4)  # (made here: torch can hang in a forked child)
+    assert asyncio.run(tier.put(keys, blocks)) == [True] * 4
+    assert tier.address is not None
+    pool = tier._pool(tier.address)
+    busy = [pool.acquire(5.0), pool.acquire(5.0)]  # as an I/O thread holds a connection mid-request
+    assert all(conn is not None for conn in busy)
+    busy_fds = [conn._sock.fileno() for conn in busy if conn is not None]
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only, and never hang
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(20)
+        try:
+            closed = 0
+            for fd in busy_fds:
+                try:
+                    os.fstat(fd)
+                except OSError:
+                    closed += 1
+            for o in out:
+                o.numpy().fill(0)
+            ok = closed == 2 and asyncio.run(tier.get(keys, out)) == [True] * 4 and all(
+                o.numpy().tobytes() == b.numpy().tobytes() for o, b in zip(out, blocks, strict=True))
+            asyncio.run(tier.close())
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    for conn in busy:  # the parent's copies still work, then go back to its pool
+        assert conn is not None
+        conn.send([b"*1\r\n$4\r\nPING\r\n"])
+        assert conn.read_simple() == b"PONG"
+        pool.release(conn, reusable=True)
+    assert asyncio.run(tier.get(keys, out)) == [True] * 4
+    assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
+    asyncio.run(tier.close())
+
+
 def _child_reads(url: str, namespace: str, hashes: list[bytes], results: multiprocessing.Queue) -> None:
     tier = RedisTier("child", {0: SMALL}, namespace=namespace, url=url)
     keys = [BlockKey(h, 0) for h in hashes]

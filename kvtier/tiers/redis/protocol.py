@@ -307,9 +307,12 @@ class Pool:
     def __init__(self, addr: Addr, size: int, connect: Callable[[Addr], Connection]) -> None:
         self.addr = addr
         self._connect = connect
+        self._size = size
         self._cond = threading.Condition()
         self._free = size
         self._idle: list[Connection] = []
+        #: every connection open now, idle or busy (a forked child closes its copies of all of them)
+        self._open: set[Connection] = set()
 
     def acquire(self, wait_seconds: float | None) -> Connection | None:
         """A connection (idle or new); ``wait_seconds=None`` returns None at once when all are busy.
@@ -327,12 +330,16 @@ class Pool:
                 conn = self._idle.pop()
                 if not conn.stale():
                     return conn
+                self._open.discard(conn)
                 conn.close()
         try:
-            return self._connect(self.addr)
+            conn = self._connect(self.addr)
         except BaseException:
             self._give_back_slot()
             raise
+        with self._cond:
+            self._open.add(conn)
+        return conn
 
     def release(self, conn: Connection, reusable: bool) -> None:
         if reusable:
@@ -340,6 +347,8 @@ class Pool:
             with self._cond:
                 self._idle.append(conn)
         else:
+            with self._cond:
+                self._open.discard(conn)
             conn.close()
         self._give_back_slot()
 
@@ -349,16 +358,22 @@ class Pool:
             self._cond.notify()
 
     def forget_after_fork(self) -> None:
-        """In a forked child: close this process's copies of the idle connections (the parent's copies
-        stay open) without the lock, which a parent's thread may have held at the fork."""
-        for conn in self._idle:
+        """In a forked child: close this process's copies of every connection, idle or held by one of
+        the parent's I/O threads (the parent's copies stay open), and take every slot back, as those
+        threads are not in the child to return theirs; without the lock, which one of them may have
+        held at the fork (a new one replaces it)."""
+        for conn in self._open:
             conn.close()
+        self._open = set()
         self._idle = []
+        self._free = self._size
+        self._cond = threading.Condition()
 
     def drop_idle(self) -> None:
         """Close idle connections (after a failure they are probably dead too)."""
         with self._cond:
             idle, self._idle = self._idle, []
+            self._open.difference_update(idle)
         for conn in idle:
             conn.close()
 
