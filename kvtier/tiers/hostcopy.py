@@ -37,41 +37,45 @@ _CUT = 4096
 class SplitChoice:
     """Whether to split one kind of copy over the threads, learned from the copies' own speed.
 
-    Two running averages of bytes per second, one per way: the first copies measure one thread, then
-    split; from then on the faster way runs, but a split must be :data:`MIN_GAIN` faster to be chosen
+    Two running averages of bytes per second, one per way: the first copies alternate between one
+    thread and a split until each way has :data:`WARMUP` measurements (one copy is too noisy to decide
+    on); from then on the faster way runs, but a split must be :data:`MIN_GAIN` faster to be chosen
     (it spends more CPU per byte), and one copy in :data:`EXPLORE_EVERY` runs the other way so that a
     change of load is seen. Not thread-safe: a race only costs a copy run the other way.
     """
 
     #: a split is chosen only where it measures this much faster than one thread
     MIN_GAIN = 1.1
+    #: measurements of each way before the faster one is chosen
+    WARMUP = 4
     #: once both ways are measured, one copy in this many runs the way not chosen
     EXPLORE_EVERY = 16
     #: weight of the newest measurement in a running average
     WEIGHT = 0.25
 
-    __slots__ = ("rates", "calls")
+    __slots__ = ("rates", "counts", "calls")
 
     def __init__(self) -> None:
-        #: bytes per second: [one thread, split]; None until measured
-        self.rates: list[float | None] = [None, None]
+        #: bytes per second: [one thread, split]; 0 until measured
+        self.rates = [0.0, 0.0]
+        self.counts = [0, 0]
         self.calls = 0
 
     def split(self) -> bool:
         """Whether the next copy of this kind should be split."""
-        one, split = self.rates
-        if one is None:
-            return False
-        if split is None:
-            return True
+        ones, splits = self.counts
+        if splits < self.WARMUP:
+            return ones > splits  # one thread first, then turn about
         self.calls += 1
-        better = split >= one * self.MIN_GAIN
+        better = self.rates[1] >= self.rates[0] * self.MIN_GAIN
         return not better if self.calls % self.EXPLORE_EVERY == 0 else better
 
     def record(self, split: bool, nbytes: int, seconds: float) -> None:
         rate = nbytes / max(seconds, 1e-9)
-        old = self.rates[split]
-        self.rates[split] = rate if old is None else old + self.WEIGHT * (rate - old)
+        count = self.counts[split] = self.counts[split] + 1
+        # a plain mean over the warm-up, then a running average
+        weight = 1.0 / count if count <= self.WARMUP else self.WEIGHT
+        self.rates[split] += weight * (rate - self.rates[split])
 
 
 def default_copy_threads() -> int:

@@ -119,8 +119,8 @@ class ScriptedClock:
 @pytest.mark.parametrize("into_slab", [True, False])
 def test_an_adaptive_copier_splits_only_where_splitting_measures_faster(split_faster: bool,
                                                                         into_slab: bool) -> None:
-    """Copies where two threads take half (or twice) the time of one: after one copy each way, the
-    faster way runs, and one copy in 16 tries the other; every copy lands exactly."""
+    """Copies where two threads take half (or twice) the time of one: after four copies each way, taken
+    in turn, the faster way runs, and one copy in 16 tries the other; every copy lands exactly."""
     clock = ScriptedClock(split=0.001 if split_faster else 0.004, one=0.002)
     copier = RowCopier(2, name="kvtier-test-adapt", min_bytes=0, adaptive=True, clock=clock)
     clock.watch(copier)
@@ -139,8 +139,8 @@ def test_an_adaptive_copier_splits_only_where_splitting_measures_faster(split_fa
                 assert (out == i % 251).all()
     finally:
         copier.close()
-    assert clock.splits[:2] == [False, True]  # one thread measured first, then the split
-    settled = clock.splits[2:]
+    assert clock.splits[:8] == [False, True] * 4  # measured in turn, one thread first
+    settled = clock.splits[8:]
     assert sum(settled) == (len(settled) - len(settled) // 16 if split_faster else len(settled) // 16)
     choice = copier.choices[into_slab, False]
     assert choice.rates == [pytest.approx(4096 * 4 / 0.002),
@@ -154,11 +154,11 @@ def test_a_split_barely_faster_is_not_chosen() -> None:
     clock.watch(copier)
     slab, rows = np.zeros((4, 4096), np.uint8), np.ones((4, 4096), np.uint8)
     try:
-        for _ in range(34):
+        for _ in range(40):
             copier.batch(rows, slab, [0, 1, 2, 3], into_slab=True)
     finally:
         copier.close()
-    assert sum(clock.splits[2:]) == 2  # only the copies that try the other way
+    assert sum(clock.splits[8:]) == 2  # only the copies that try the other way
 
 
 def test_copy_threads_given_split_every_large_copy_and_auto_measures() -> None:
