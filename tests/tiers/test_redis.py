@@ -651,6 +651,31 @@ def test_hung_server_times_out_and_recovers(redis_server_factory, make_tier: Mak
     asyncio.run(scenario())
 
 
+def _in_forked_child(body: Callable[[], bool]) -> int:
+    """Run ``body`` in a forked child that reports through its exit status only (0: it returned True)
+    and never hangs (a 20 s alarm); the child's exit code."""
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(20)
+        try:
+            os._exit(0 if body() else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _reads_back(tier: RedisTier, keys: list[BlockKey], out: list[torch.Tensor],
+                blocks: list[torch.Tensor]) -> bool:
+    """In a forked child: whether ``get`` fills ``out`` with ``blocks`` (compared as bytes: torch can
+    hang in a forked child)."""
+    for o in out:
+        o.numpy().fill(0)
+    return asyncio.run(tier.get(keys, out)) == [True] * len(keys) and all(
+        o.numpy().tobytes() == b.numpy().tobytes() for o, b in zip(out, blocks, strict=True))
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_a_forked_child_uses_the_tier_it_inherited(redis_url: str, namespace: str,
                                                    make_tier: MakeTier) -> None:
@@ -665,22 +690,13 @@ def test_a_forked_child_uses_the_tier_it_inherited(redis_url: str, namespace: st
     assert asyncio.run(tier.get(keys[:8], out[:8])) == [True] * 8
     parent_sockets = {conn._sock.fileno() for pool in tier._pools.values() for conn in pool._idle}
     assert parent_sockets  # the case that matters: pooled connections at the fork
-    pid = os.fork()
-    if pid == 0:  # the child: report through the exit status only, and never hang
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(20)
-        try:
-            for o in out:
-                o.numpy().fill(0)
-            ok = asyncio.run(tier.get(keys[:8], out[:8])) == [True] * 8 and all(
-                o.numpy().tobytes() == b.numpy().tobytes() for o, b in zip(out[:8], blocks[:8], strict=True))
-            ok = ok and asyncio.run(tier.put(keys[8:], blocks[8:])) == [True]
-            asyncio.run(tier.close())
-            os._exit(0 if ok else 1)
-        except BaseException:
-            os._exit(2)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    def child() -> bool:
+        ok = _reads_back(tier, keys[:8], out[:8], blocks[:8])
+        ok = ok and asyncio.run(tier.put(keys[8:], blocks[8:])) == [True]
+        asyncio.run(tier.close())
+        return ok
+
+    assert _in_forked_child(child) == 0
     assert asyncio.run(tier.get(keys, out)) == [True] * 9  # on the parent's own pooled connections
     assert all(torch.equal(o, b) for o, b in zip(out, blocks, strict=True))
     assert tier.counters.errors == {}
@@ -700,27 +716,18 @@ def test_a_fork_while_connections_are_busy(redis_url: str, namespace: str, make_
     busy = [pool.acquire(5.0), pool.acquire(5.0)]  # as an I/O thread holds a connection mid-request
     assert all(conn is not None for conn in busy)
     busy_fds = [conn._sock.fileno() for conn in busy if conn is not None]
-    pid = os.fork()
-    if pid == 0:  # the child: report through the exit status only, and never hang
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(20)
-        try:
-            closed = 0
-            for fd in busy_fds:
-                try:
-                    os.fstat(fd)
-                except OSError:
-                    closed += 1
-            for o in out:
-                o.numpy().fill(0)
-            ok = closed == 2 and asyncio.run(tier.get(keys, out)) == [True] * 4 and all(
-                o.numpy().tobytes() == b.numpy().tobytes() for o, b in zip(out, blocks, strict=True))
-            asyncio.run(tier.close())
-            os._exit(0 if ok else 1)
-        except BaseException:
-            os._exit(2)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    def child() -> bool:
+        closed = 0
+        for fd in busy_fds:
+            try:
+                os.fstat(fd)
+            except OSError:
+                closed += 1
+        ok = closed == 2 and _reads_back(tier, keys, out, blocks)
+        asyncio.run(tier.close())
+        return ok
+
+    assert _in_forked_child(child) == 0
     for conn in busy:  # the parent's copies still work, then go back to its pool
         assert conn is not None
         conn.send([b"*1\r\n$4\r\nPING\r\n"])
