@@ -1376,10 +1376,10 @@ class AsyncTieredCache:
     def _links_of(self, t: int, keys: Sequence[BlockKey]) -> list[tuple[BlockKey, BlockKey]]:
         """(key, predecessor) of blocks just written to tier ``t``, for it to keep (a file tier persists
         them); call under the index lock."""
-        hints = self.residency.tiers[t].hints
-        if not hints:  # no block of the tier carries a chain link
+        links = self.residency.tiers[t].links
+        if not links:  # no block of the tier carries a chain link
             return []
-        return [(k, p) for k in keys if (p := hints[k].predecessor if k in hints else None) is not None]
+        return [(k, p) for k in keys if (p := links.get(k)) is not None]
 
     async def _safe_io(self, t: int, op: str, keys: list[BlockKey], *args: Any) -> list[bool]:
         """Call a tier's batched op; an unexpected exception is logged, counted and becomes all-False."""

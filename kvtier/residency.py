@@ -45,8 +45,12 @@ class TierIndex:
             else {g: make_eviction_policy(eviction) for g in self.block_bytes})
         self.entries: dict[BlockKey, int] = {}
         self.pins: dict[BlockKey, int] = {}
-        #: Insert hints of entries that carry a chain link, so a demoted block keeps its chain below.
-        self.hints: dict[BlockKey, InsertHint] = {}
+        #: The chain links of entries stored with one (key -> predecessor), and those entries' positions
+        #: where not 0, so a demoted or promoted block keeps its chain below (:meth:`hint`). Kept as keys
+        #: and ints, not the InsertHint objects: no object per cached block for Python's garbage
+        #: collector to walk (docs/architecture.md#threads). ``request_id`` does not travel.
+        self.links: dict[BlockKey, BlockKey] = {}
+        self.positions: dict[BlockKey, int] = {}
 
     def __contains__(self, key: object) -> bool:
         return key in self.entries
@@ -95,7 +99,9 @@ class TierIndex:
         self.entries[key] = READY if ready else PENDING
         self.used[key.group_id] += self.block_bytes[key.group_id]
         if hint.predecessor is not None:
-            self.hints[key] = hint
+            self.links[key] = hint.predecessor
+            if hint.position:
+                self.positions[key] = hint.position
         self.policies[key.group_id].insert(key, hint)
         if not ready:
             self.pin(key)
@@ -139,7 +145,8 @@ class TierIndex:
         if self.entries.pop(key, None) is None:
             return False
         self.used[key.group_id] -= self.block_bytes[key.group_id]
-        self.hints.pop(key, None)
+        if self.links.pop(key, None) is not None:
+            self.positions.pop(key, None)
         self.policies[key.group_id].remove(key)
         return True
 
@@ -156,8 +163,12 @@ class TierIndex:
         return victims if len(victims) == count else None
 
     def hint(self, key: BlockKey) -> InsertHint:
-        """The chain hint ``key`` was stored with (a default hint when it carried no predecessor)."""
-        return self.hints.get(key, _NO_HINT)
+        """The chain hint ``key`` was stored with (its predecessor and position; a default hint when it
+        carried no predecessor)."""
+        predecessor = self.links.get(key)
+        if predecessor is None:
+            return _NO_HINT
+        return InsertHint(self.positions.get(key, 0), predecessor=predecessor)
 
     def usage(self) -> int:
         return sum(self.used.values())
@@ -342,15 +353,18 @@ class Residency:
             keys = keys[:stored]
             if hints is not None:
                 hints = hints[:stored]
-        stored_hints = index.hints
+        links, positions = index.links, index.positions
         for victim in victims:  # TierIndex.discard, batched (the policy has removed them)
             del entries[victim]
-            stored_hints.pop(victim, None)
+            if links and links.pop(victim, None) is not None:
+                positions.pop(victim, None)
         plan.drops[t].extend(victims)
         entries.update(dict.fromkeys(keys, PENDING))  # TierIndex.add(ready=False), batched
         if hints is not None:
-            stored_hints.update({key: hint for key, hint in zip(keys, hints, strict=True)
-                                 if hint.predecessor is not None})
+            chained = [(key, hint.predecessor, hint.position) for key, hint in zip(keys, hints, strict=True)
+                       if hint.predecessor is not None]
+            links.update({key: predecessor for key, predecessor, _ in chained})
+            positions.update({key: position for key, _, position in chained if position})
         index.used[group_id] += (stored - len(victims)) * per_block
         plan.writes[t].extend(range(stored))
         return True
@@ -407,7 +421,7 @@ class Residency:
             return None
         sources = [found[i] for i in todo]
         sub = [keys[i] for i in todo]
-        hints = [self.tiers[t].hints.get(key) or InsertHint(position=i)
+        hints = [self.tiers[t].hint(key) if key in self.tiers[t].links else InsertHint(position=i)
                  for i, t, key in zip(todo, sources, sub, strict=True)]
         target = self.placement.promote_to
         return Promotion(self.plan_store(sub, hints, only_tier=target), target, sub, todo, sources)

@@ -591,7 +591,7 @@ def test_a_batched_store_leaves_what_key_by_key_planning_and_per_block_copies_le
                 assert counts[0] == counts[1]
                 one, other = batched.residency.tiers[0], by_key.residency.tiers[0]
                 assert one.entries == other.entries and one.pins == other.pins and one.used == other.used
-                assert one.hints == other.hints
+                assert one.links == other.links and one.positions == other.positions
                 assert one.policies[0].victims(16, {}) == other.policies[0].victims(16, {})
                 for key, n in zip(keys, range(16), strict=True):
                     if key in one.entries:

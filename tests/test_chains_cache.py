@@ -65,8 +65,8 @@ def test_a_torn_chain_log_costs_only_chain_order(tmp_path: Path) -> None:
     log.write_bytes(log.read_bytes()[:-3] + b"\xff\xff\xff")  # a crash mid-append
     with TieredCache.from_config(_file_only(tmp_path, 8)) as cache:
         assert cache.lookup(chain) == 3
-        hints = cache.core.residency.tiers[0].hints
-        assert hints[chain[1]].predecessor == chain[0] and chain[2] not in hints
+        index = cache.core.residency.tiers[0]
+        assert index.hint(chain[1]).predecessor == chain[0] and chain[2] not in index.links
 
 
 def test_bad_predecessor_data(two_tier_config: dict[str, Any]) -> None:

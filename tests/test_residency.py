@@ -129,7 +129,8 @@ def _run_side_by_side(a: Residency, b: Residency, ops: list[tuple[str, list[int]
                 settle(r, plan, stored)
             del pending[:2]
         for x, y in zip(a.tiers, b.tiers, strict=True):
-            assert x.entries == y.entries and x.pins == y.pins and x.used == y.used and x.hints == y.hints
+            assert x.entries == y.entries and x.pins == y.pins and x.used == y.used
+            assert x.links == y.links and x.positions == y.positions
             assert list(x.policies[0].victims(31, ())) == list(y.policies[0].victims(31, ()))
 
 
@@ -193,3 +194,28 @@ def test_settle_many_equals_settle_of_each_key(ops: list[tuple[str, list[int]]])
         assert batched.pins == single.pins
         assert batched.used == single.used
         assert batched.policies[0].victims(8, {}) == single.policies[0].victims(8, {})
+
+
+def test_a_demoted_block_keeps_its_chain_link_and_position_and_no_hint_object_stays() -> None:
+    """Chained blocks demoted from a one-block top tier arrive below with their predecessor and chain
+    position; a block stored without a predecessor keeps none; the index holds keys and ints, not
+    the InsertHint objects (no object per cached block for Python's garbage collector)."""
+    import gc
+
+    r = residency(1, 8, write_mode="write_back")
+    keys = make_keys(4)
+    hints = [InsertHint(position=0)] + [InsertHint(position=i, request_id=7, predecessor=keys[i - 1])
+                                         for i in range(1, 4)]
+    for key, hint in zip(keys, hints, strict=True):
+        settle(r, r.plan_store([key], [hint]), [key])
+    top, below = r.tiers
+    assert [r.locate(k) for k in keys] == [1, 1, 1, 0]
+    assert below.hint(keys[0]) == InsertHint()
+    for i in (1, 2):
+        assert below.hint(keys[i]) == InsertHint(position=i, predecessor=keys[i - 1])  # no request_id
+    assert top.hint(keys[3]) == InsertHint(position=3, predecessor=keys[2])
+    del hints, hint
+    gc.collect()
+    assert not any(isinstance(o, InsertHint) and o.predecessor in keys for o in gc.get_objects())
+    below.discard(keys[2])
+    assert keys[2] not in below.links and keys[2] not in below.positions

@@ -212,11 +212,11 @@ def test_a_batch_of_pages_is_stored_as_a_chain_per_component(make_backend: Calla
     names = keys("c0", "c1", "c2")
     assert backend.batch_set_v1(names, pool.indices(0, 3)) == [True] * 3
     pages = [backend._block_keys(name, backend.geometry) for name in names]
-    hints = backend._cache.core.residency.tiers[0].hints
+    index = backend._cache.core.residency.tiers[0]
     for component in range(len(pages[0])):
-        assert pages[0][component] not in hints  # the batch's first page: a chain head here
+        assert pages[0][component] not in index.links  # the batch's first page: a chain head here
         for i in (1, 2):
-            assert hints[pages[i][component]].predecessor == pages[i - 1][component]
+            assert index.hint(pages[i][component]).predecessor == pages[i - 1][component]
 
 
 def test_batch_exists_counts_the_leading_stored_pages(make_backend: Callable[..., Any]) -> None:

@@ -110,8 +110,8 @@ class Twins:
         assert state(self.fast) == state(self.general)
         # chain hints: the batched path stores none (LRU with one tier reads none), and drops those of
         # the blocks it evicts
-        hints = self.fast.runtime.residency.tiers[0].hints
-        assert hints.keys() <= self.fast.runtime.residency.tiers[0].entries.keys()
+        index = self.fast.runtime.residency.tiers[0]
+        assert index.links.keys() <= index.entries.keys() and index.positions.keys() <= index.links.keys()
         return answers[0]
 
     def planned(self, manager: KVTierOffloadManager, planned: tuple[list[bytes], Any] | None) -> None:
