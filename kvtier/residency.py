@@ -145,8 +145,7 @@ class TierIndex:
         if self.entries.pop(key, None) is None:
             return False
         self.used[key.group_id] -= self.block_bytes[key.group_id]
-        if self.links.pop(key, None) is not None:
-            self.positions.pop(key, None)
+        self.drop_links((key,))
         self.policies[key.group_id].remove(key)
         return True
 
@@ -161,6 +160,14 @@ class TierIndex:
         count = -(-need // per_block)
         victims = self.policies[group_id].victims(count, self.pins)
         return victims if len(victims) == count else None
+
+    def drop_links(self, keys: Iterable[BlockKey]) -> None:
+        """Forget the chain links (and positions) of ``keys``, entries that are leaving the tier."""
+        links, positions = self.links, self.positions
+        if links:
+            for key in keys:
+                if links.pop(key, None) is not None:
+                    positions.pop(key, None)
 
     def hint(self, key: BlockKey) -> InsertHint:
         """The chain hint ``key`` was stored with (its predecessor and position; a default hint when it
@@ -353,18 +360,16 @@ class Residency:
             keys = keys[:stored]
             if hints is not None:
                 hints = hints[:stored]
-        links, positions = index.links, index.positions
         for victim in victims:  # TierIndex.discard, batched (the policy has removed them)
             del entries[victim]
-            if links and links.pop(victim, None) is not None:
-                positions.pop(victim, None)
+        index.drop_links(victims)
         plan.drops[t].extend(victims)
         entries.update(dict.fromkeys(keys, PENDING))  # TierIndex.add(ready=False), batched
         if hints is not None:
             chained = [(key, hint.predecessor, hint.position) for key, hint in zip(keys, hints, strict=True)
                        if hint.predecessor is not None]
-            links.update({key: predecessor for key, predecessor, _ in chained})
-            positions.update({key: position for key, _, position in chained if position})
+            index.links.update({key: predecessor for key, predecessor, _ in chained})
+            index.positions.update({key: position for key, _, position in chained if position})
         index.used[group_id] += (stored - len(victims)) * per_block
         plan.writes[t].extend(range(stored))
         return True

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from kvtier.blocks import BlockKey
+from kvtier.blocks import BlockKey, all_of_group
 from kvtier.errors import LayoutMismatch
 from kvtier.layout import BlockLayout
 
@@ -166,6 +166,16 @@ class Tier(ABC):
         except KeyError:
             raise LayoutMismatch(f"tier {self.name!r} has no KV-cache group {group_id} "
                                  f"(groups: {sorted(self.layouts)})") from None
+
+    def _is_row_batch(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> bool:
+        """Whether ``rows`` is a contiguous ``[len(keys), nbytes]`` uint8 CPU tensor of one group's blocks
+        (the shape the cache passes for a run of its caller's rows)."""
+        if (rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != len(keys) or not keys
+                or rows.device.type != "cpu" or not rows.is_contiguous()):
+            return False
+        group_id = keys[0].group_id
+        layout = self.layouts.get(group_id)
+        return layout is not None and rows.shape[1] == layout.nbytes and all_of_group(keys, group_id)
 
     def check_buffers(self, keys: Sequence[BlockKey], buffers: Sequence[torch.Tensor], what: str) -> None:
         """Raise :class:`LayoutMismatch` unless each buffer is a contiguous uint8 block of its group."""

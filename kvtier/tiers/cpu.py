@@ -152,15 +152,6 @@ class CpuTier(Tier):
         self.counters.add_writes(written, nbytes, time.perf_counter() - start)
         return ok
 
-    def _is_row_batch(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> bool:
-        """Whether ``rows`` is a contiguous ``[len(keys), nbytes]`` uint8 CPU tensor of one group's blocks."""
-        if (rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != len(keys) or not keys
-                or rows.device.type != "cpu" or not rows.is_contiguous()):
-            return False
-        group_id = keys[0].group_id
-        slab = self._slabs.get(group_id)
-        return slab is not None and rows.shape[1] == slab.slot_bytes and all_of_group(keys, group_id)
-
     def put_rows(self, keys: Sequence[BlockKey], rows: torch.Tensor) -> list[bool]:
         """:meth:`put_now` of a batch the caller checked (a contiguous ``[len(keys), nbytes]`` uint8 CPU
         tensor, keys of one group of this tier, as :meth:`_is_row_batch` says): :meth:`put_with` with one

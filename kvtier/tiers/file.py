@@ -196,13 +196,24 @@ class _ShardScan(NamedTuple):
 class _WarmJob(NamedTuple):
     """A batch for ``fileread.c``: raw blocks of one group, hash length and size (``FileTier._warm_job``)."""
 
-    picked: list[int]  # their positions in the reads given
+    picked: Sequence[int]  # their positions in the reads given
     size: int
     prefix: bytes  # the group's directory, then "/": fileread.c adds "<shard>/<hash hex><suffix>"
     hashes: bytes  # their hashes, one after the other
     hash_len: int
     expected: bytes  # the headers they must carry (RawHeaders.of_hashes)
     outs: np.ndarray  # where each goes (uint64 addresses)
+
+    def helper_args(self) -> tuple[Any, ...]:
+        """The arguments of :func:`host.read_warm` and :meth:`ReaderPool.submit` for this batch."""
+        return (self.prefix, self.hashes, self.hash_len, _SUFFIX, self.outs, self.size, READ_CHUNK,
+                self.expected, HEADER_SIZE, CHECKSUM_OFFSET, PAGE)
+
+    def part(self, a: int, z: int) -> _WarmJob:
+        """Blocks ``a`` to ``z`` of a job of every block given (slices: no per-block work)."""
+        hash_len = self.hash_len
+        return _WarmJob(range(z - a), self.size, self.prefix, self.hashes[a * hash_len:z * hash_len],
+                        hash_len, self.expected[a * HEADER_SIZE:z * HEADER_SIZE], self.outs[a:z])
 
 
 #: a part of a batch queued on the native readers: (its first read's position, its job, the future of
@@ -407,6 +418,12 @@ class FileTier(Tier):
             outcomes = await self._on_io_threads(self._read_cached_block, reads, self._read_block)
         self.counters.read_seconds += time.perf_counter() - start
         hits = [False] * len(keys)
+        self._count_reads(hits, slots, outcomes)
+        return hits
+
+    def _count_reads(self, hits: list[bool], slots: Sequence[int], outcomes: Sequence[_Outcome]) -> None:
+        """Mark ``hits[slots[i]]`` where ``outcomes[i]`` succeeded and count every outcome: blocks and
+        bytes read, or its error's counter."""
         counters = self.counters
         read = nbytes = 0
         for i, outcome in zip(slots, outcomes, strict=True):
@@ -418,7 +435,6 @@ class FileTier(Tier):
                 counters.error(outcome.error)
         counters.blocks_read += read
         counters.bytes_read += nbytes
-        return hits
 
     async def _get_rows_natively(self, keys: Sequence[BlockKey], out: torch.Tensor) -> list[bool] | None:
         """:meth:`get` of the usual load, handled as one batch: every key indexed as a raw block of one
@@ -434,11 +450,9 @@ class FileTier(Tier):
         if (readers is None or not n or self._direct_reads or not (self._nowait and self._native_reads)
                 or not _syscalls_unwrapped()):
             return None
-        group = keys[0].group_id
-        size = self._block_nbytes.get(group)
-        if not (out.dtype == torch.uint8 and out.dim() == 2 and out.shape[0] == n and out.shape[1] == size
-                and out.device.type == "cpu" and out.is_contiguous() and all_of_group(keys, group)):
+        if not self._is_row_batch(keys, out):
             return None
+        group, size = keys[0].group_id, out.shape[1]
         raw_size = self._raw_file_size[group]
         if list(map(self._index.get, keys)).count(raw_size) != n:
             return None  # a key not indexed, or a compressed block
@@ -447,16 +461,14 @@ class FileTier(Tier):
         if set(map(len, hashes)) != {hash_len}:
             return None
         start = time.perf_counter()
-        joined, expected = b"".join(hashes), self._raw_headers[group].of_hashes(group, hashes)
         base = out.data_ptr()
-        outs = np.arange(base, base + size * n, size, dtype=np.uint64)
-        prefix = f"{self._group_dir(group)}/".encode()
+        job = _WarmJob(range(n), size, f"{self._group_dir(group)}/".encode(), b"".join(hashes), hash_len,
+                       self._raw_headers[group].of_hashes(group, hashes),
+                       np.arange(base, base + size * n, size, dtype=np.uint64))
         cuts = _part_cuts(n, readers.threads - self._native_jobs_in_flight)
         queued: list[tuple[int, int, asyncio.Future[np.ndarray]]] = []
         for a, z in zip(cuts, cuts[1:], strict=False):
-            future = readers.submit(prefix, joined[a * hash_len:z * hash_len], hash_len, _SUFFIX, outs[a:z],
-                                    size, READ_CHUNK, expected[a * HEADER_SIZE:z * HEADER_SIZE], HEADER_SIZE,
-                                    CHECKSUM_OFFSET, PAGE)
+            future = readers.submit(*job.part(a, z).helper_args())
             if future is None:  # the pool cannot serve this loop (or it is stopping)
                 if not queued:
                     return None
@@ -475,18 +487,14 @@ class FileTier(Tier):
             counters.read_seconds += time.perf_counter() - start
             return [True] * n
         hits = [True] * n
+        for i in rest:
+            hits[i] = False
         rows = out.numpy()
         reads = [(keys[i], raw_size, rows[i]) for i in rest]
         later = await self._on_io_threads(self._read_cached_block, reads, self._read_block,
                                           executor=self._read_executor)
         counters.read_seconds += time.perf_counter() - start
-        for i, outcome in zip(rest, later, strict=True):
-            if outcome.error is None:
-                counters.blocks_read += 1
-                counters.bytes_read += outcome.device_bytes
-            else:
-                hits[i] = False
-                counters.error(outcome.error)
+        self._count_reads(hits, rest, later)
         return hits
 
     async def _await_parts(self, futures: list[asyncio.Future[np.ndarray]]) -> list[np.ndarray]:
@@ -560,8 +568,7 @@ class FileTier(Tier):
             job = self._warm_job(reads[a:z], addresses[a:z])
             if job is None:
                 continue
-            future = readers.submit(job.prefix, job.hashes, job.hash_len, _SUFFIX, job.outs, job.size,
-                                    READ_CHUNK, job.expected, HEADER_SIZE, CHECKSUM_OFFSET, PAGE)
+            future = readers.submit(*job.helper_args())
             if future is None:  # the pool cannot serve this loop (or it is stopping)
                 if not jobs:
                     return None
@@ -586,8 +593,7 @@ class FileTier(Tier):
         job = self._warm_job(reads, addresses)
         if job is None:
             return outcomes
-        status = host.read_warm(job.prefix, job.hashes, job.hash_len, _SUFFIX, job.outs, job.size,
-                                READ_CHUNK, job.expected, HEADER_SIZE, CHECKSUM_OFFSET, PAGE)
+        status = host.read_warm(*job.helper_args())
         if status is None:
             self._native_reads = False
             return outcomes
@@ -631,10 +637,7 @@ class FileTier(Tier):
         slots: list[int] = []
         reads: list[tuple[BlockKey, int, np.ndarray]] = []
         if isinstance(out, torch.Tensor):
-            if (out.dtype == torch.uint8 and out.dim() == 2 and out.shape[0] == len(keys) and keys
-                    and out.device.type == "cpu" and out.is_contiguous()
-                    and out.shape[1] == self._block_nbytes.get(keys[0].group_id)
-                    and all_of_group(keys, keys[0].group_id)):
+            if self._is_row_batch(keys, out):
                 rows, base, stride = out.numpy(), out.data_ptr(), out.shape[1]
                 sizes = list(map(index_get, keys))
                 if None not in sizes:  # the usual load: every key indexed, the batch in C-level passes

@@ -87,11 +87,9 @@ class SingleTierLRU:
             if len(victims) != evict:
                 return None  # not room for all: the general path stores what fits
             if victims:  # TierIndex.discard of each, batched
-                links = index.links
                 for victim in victims:
                     del entries[victim]
-                    if links and links.pop(victim, None) is not None:
-                        index.positions.pop(victim, None)
+                index.drop_links(victims)
                 policy.remove_all(victims)
                 self._mirror.evicted(victims)  # one tier: an evicted block left every tier
             # TierIndex.add(ready=False) of each key: pending and pinned until settled. No chain hints:

@@ -257,7 +257,8 @@ class RedisTier(Tier):
     def after_fork_in_child(self) -> None:
         """The parent's I/O threads are not in the child, and its pooled connections must not be shared
         (two processes' requests on one socket would take each other's replies): the child closes its
-        copies of the idle ones (the parent's stay open) and connects afresh; breakers are kept."""
+        copies of all of them, idle or busy at the fork (the parent's stay open), and connects afresh;
+        breakers are kept."""
         super().after_fork_in_child()
         for pool in self._pools.values():
             pool.forget_after_fork()
